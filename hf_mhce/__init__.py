@@ -1,0 +1,8 @@
+"""hf_mhce: fused linear cross-entropy, multi-head cross-entropy (MHCE) and the RBE decomposition
+of cross-entropy for Hugging Face Transformers."""
+
+from .losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
+
+__version__ = "0.1.0"
+
+__all__ = ["linear_cross_entropy", "multi_head_cross_entropy", "multi_head_logprobs"]

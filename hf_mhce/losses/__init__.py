@@ -1,0 +1,5 @@
+"""Autograd-aware losses over the fused sweeps, with argument checks and backend dispatch."""
+
+from .api import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
+
+__all__ = ["linear_cross_entropy", "multi_head_cross_entropy", "multi_head_logprobs"]

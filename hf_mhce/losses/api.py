@@ -1,0 +1,143 @@
+"""Public losses: fused linear cross-entropy, multi-head cross-entropy and mixture log-probs."""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks, dispatch
+from .functions import MixtureLogprobs, MultiHeadTokenLoss
+
+
+def _autocast(hidden, weight, bias):
+    """Cast like nn.Linear under torch.autocast: to the autocast dtype (differentiably)."""
+    device_type = hidden.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device_type)
+    if not (hidden.is_floating_point() and weight.is_floating_point()):
+        return hidden, weight, bias  # let the checks name the problem
+    return hidden.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+
+
+def _reduce(losses, valid, label_shape, reduction, num_items_in_batch):
+    if reduction == "none":
+        return losses.view(label_shape)
+    total = losses.sum()
+    if num_items_in_batch is not None:
+        divisor = torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype)
+        if bool(divisor == 0):
+            if bool(valid.any()):
+                raise ValueError("num_items_in_batch is 0 but some labels are not ignored")
+            return total  # all ignored: 0, with zero gradients
+        return total / divisor
+    if reduction == "sum":
+        return total
+    # mean over non-ignored tokens; all ignored gives 0 (torch's cross_entropy gives NaN).
+    return total / valid.sum().clamp_min(1).to(total.dtype)
+
+
+def multi_head_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_heads: int,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Multi-head cross-entropy of ``hidden @ weight.T`` without materialising the logits.
+
+    The last dimension of ``hidden`` [..., D] and the columns of ``weight`` [V, D] are split into
+    ``num_heads`` contiguous slices; head h has logits y_h = softcap(hidden_h @ weight_h.T + bias)
+    and the model's distribution is the uniform mixture pbar = mean_h softmax(y_h).  For a token
+    with target t (``labels`` aligned with ``hidden``, no shift) the loss is
+
+        (1 - eps) * (-log pbar_t) + eps * mean_h(lse_h - mean_j y_hj) + z_loss * mean_h(lse_h ** 2)
+
+    where eps = ``label_smoothing`` and lse_h = logsumexp_j y_hj: smoothing and z-loss act per head
+    (for one head, exactly ``F.cross_entropy(label_smoothing=eps)`` plus ``z_loss * lse ** 2``).
+
+    reduction: "mean" (over non-ignored tokens; 0 if all are ignored, where torch gives NaN),
+    "sum", or "none" (per-token, shaped like ``labels``, 0 where ignored).  With
+    ``num_items_in_batch`` the result is the summed loss divided by it (transformers' gradient
+    accumulation convention).  The loss is float32 (float64 for float64 inputs).
+
+    dtypes: ``hidden`` and ``weight`` share a dtype (fp32, bf16, fp16; float64 on the torch
+    backend).  Under ``torch.autocast`` they are cast to the autocast dtype as ``nn.Linear`` would
+    be.  Statistics and dW are accumulated in float32 whatever the input dtype.
+
+    backend: "auto" (Triton on CUDA, chunked torch elsewhere), "triton" or "torch"; defaults to
+    the environment variable ``HF_MHCE_BACKEND``.
+    """
+    checks.check_matrices(hidden, weight, bias)
+    checks.check_heads(num_heads, weight.shape[1])
+    checks.check_options(reduction, label_smoothing, z_loss, softcap, num_items_in_batch)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    inputs = checks.prepare(hidden, weight, bias, labels, ignore_index)
+    ops = dispatch.resolve(backend, hidden.device, hidden.dtype)
+    losses = MultiHeadTokenLoss.apply(
+        inputs.hidden, inputs.weight, inputs.bias, inputs.labels, inputs.valid, num_heads,
+        float(softcap) if softcap is not None else None, float(label_smoothing), float(z_loss), ops,
+    )
+    return _reduce(losses, inputs.valid, inputs.label_shape, reduction, num_items_in_batch)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T + bias, labels)`` without materialising the logits.
+
+    The one-head case of :func:`multi_head_cross_entropy`; same keywords and rules.
+    """
+    return multi_head_cross_entropy(
+        hidden, weight, labels, 1, bias=bias, ignore_index=ignore_index, reduction=reduction,
+        num_items_in_batch=num_items_in_batch, label_smoothing=label_smoothing, z_loss=z_loss,
+        softcap=softcap, backend=backend,
+    )
+
+
+def multi_head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    num_heads: int,
+    *,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """log pbar [..., V]: the mixture's normalised log-probabilities, float32 (float64 inputs: float64).
+
+    With ``num_heads=1`` this is ``log_softmax(softcap(hidden @ weight.T + bias))``.  Computed in
+    vocabulary/token blocks (never an [N, H, V] tensor); differentiable.  The output is [N, V] by
+    nature, so every backend computes it with the blocked torch sweeps (cuBLAS on GPU);
+    ``backend`` is validated for symmetry with the losses.
+    """
+    checks.check_matrices(hidden, weight, bias)
+    checks.check_heads(num_heads, weight.shape[1])
+    checks.check_options("mean", 0.0, 0.0, softcap, None)
+    dispatch.resolve(backend, hidden.device, hidden.dtype)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    lead = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    out = MixtureLogprobs.apply(
+        flat, weight.contiguous(), bias.contiguous() if bias is not None else None, num_heads,
+        float(softcap) if softcap is not None else None,
+    )
+    return out.view(*lead, weight.shape[0])

@@ -1,0 +1,104 @@
+"""Argument checks and normalisation for the public losses: every bad input gets an error that
+names the problem before any kernel runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass
+class LossInputs:
+    """Inputs flattened to 2-D / 1-D, with ignored tokens encoded as label -1 for the ops."""
+
+    hidden: torch.Tensor  # [N, D], contiguous
+    weight: torch.Tensor  # [V, D], contiguous
+    bias: torch.Tensor | None  # [V]
+    labels: torch.Tensor  # [N] int64, -1 where ignored
+    valid: torch.Tensor  # [N] bool
+    label_shape: torch.Size
+
+
+def check_heads(num_heads: int, hidden_size: int) -> None:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"num_heads={num_heads} does not divide the hidden size {hidden_size}: "
+            f"MHCE splits the hidden state into num_heads equal contiguous slices"
+        )
+
+
+def check_matrices(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating point tensor, got dtype {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, D], got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dimension must equal weight's second: hidden shape {tuple(hidden.shape)}, "
+            f"weight shape {tuple(weight.shape)} (weight is [V, D])"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"hidden and weight must have the same dtype, got hidden {hidden.dtype} and weight "
+            f"{weight.dtype} (cast one, or run under torch.autocast)"
+        )
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError("bias must be a floating point tensor")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},) = [V], got {tuple(bias.shape)}")
+        if bias.device != weight.device:
+            raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+
+
+def check_options(reduction: str, label_smoothing: float, z_loss: float, softcap, num_items_in_batch) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not float(z_loss) >= 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap must be a positive number (or None), got {softcap}")
+    if num_items_in_batch is not None and reduction == "none":
+        raise ValueError("num_items_in_batch divides a summed loss; it cannot be combined with reduction='none'")
+
+
+def prepare(hidden, weight, bias, labels, ignore_index: int) -> LossInputs:
+    """Validate labels against hidden and the vocabulary; flatten everything for the ops."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor (class indices), got dtype {labels.dtype}")
+    if tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal hidden's leading shape {tuple(hidden.shape[:-1])} "
+            f"(hidden shape {tuple(hidden.shape)}); labels are aligned with hidden, not shifted"
+        )
+    vocab = weight.shape[0]
+    flat = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64)
+    valid = flat != ignore_index
+    bad = valid & ((flat < 0) | (flat >= vocab))
+    if bool(bad.any()):
+        value = int(flat[bad.nonzero()[0, 0]])
+        raise ValueError(
+            f"label {value} is outside the vocabulary [0, {vocab}) and is not ignore_index ({ignore_index})"
+        )
+    return LossInputs(
+        hidden=hidden.reshape(-1, hidden.shape[-1]).contiguous(),
+        weight=weight.contiguous(),
+        bias=bias.contiguous() if bias is not None else None,
+        labels=torch.where(valid, flat, -1),
+        valid=valid,
+        label_shape=labels.shape,
+    )

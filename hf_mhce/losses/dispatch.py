@@ -1,0 +1,60 @@
+"""Choice between the Triton kernels and the chunked torch sweeps.
+
+``backend`` argument, else environment variable ``HF_MHCE_BACKEND``; values:
+- "auto" (default): Triton for CUDA tensors of dtype fp32/bf16/fp16 when triton imports, else torch;
+- "triton": force the kernels (CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set
+  before the first kernel import -- how the CPU test-suite runs them);
+- "torch": force the chunked torch path (any device, float64 included).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import torch
+
+from ..ops import torch_sweep
+
+BACKENDS = ("auto", "triton", "torch")
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_ops() -> SimpleNamespace:
+    from ..ops import triton_backward, triton_forward
+
+    return SimpleNamespace(name="triton", forward_stats=triton_forward.forward_stats,
+                           backward=triton_backward.backward)
+
+
+_TORCH_OPS = SimpleNamespace(name="torch", forward_stats=torch_sweep.forward_stats, backward=torch_sweep.backward)
+
+
+def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
+    """The ops namespace (forward_stats, backward) to use for tensors on ``device`` of ``dtype``."""
+    name = backend if backend is not None else os.environ.get("HF_MHCE_BACKEND", "auto")
+    name = name.lower()
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} (argument or HF_MHCE_BACKEND), got {name!r}")
+    if name == "auto":
+        use = device.type == "cuda" and dtype in _TRITON_DTYPES and triton_available()
+        return _triton_ops() if use else _TORCH_OPS
+    if name == "torch":
+        return _TORCH_OPS
+    if not triton_available():
+        raise ValueError("backend='triton' was requested but triton is not installed")
+    if dtype not in _TRITON_DTYPES:
+        raise ValueError(f"the Triton kernels support float32, bfloat16 and float16, got {dtype}; use backend='torch'")
+    from ..ops.triton_tile import interpreting
+
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {device.type}); for CPU tensors set "
+            "TRITON_INTERPRET=1 before hf_mhce's kernels are first imported"
+        )
+    return _triton_ops()

@@ -1,0 +1,71 @@
+"""Autograd Functions over the ops: per-token losses (reductions are plain torch on top) and the
+mixture log-probabilities.  Both run with autocast disabled inside: the caller has already cast
+the inputs the way autocast would, and the statistics must stay float32."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..ops import mixture, torch_sweep
+
+
+class MultiHeadTokenLoss(torch.autograd.Function):
+    """Per-token MHCE loss [N]; the incoming gradient is per token, so every reduction is exact."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, valid, num_heads, softcap, label_smoothing, z_loss, ops):
+        with torch.autocast(hidden.device.type, enabled=False):
+            lse, target, logit_sum = ops.forward_stats(
+                hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0
+            )
+            losses = mixture.token_losses(
+                lse, target, logit_sum, valid, weight.shape[0], label_smoothing, z_loss
+            )
+        ctx.save_for_backward(hidden, weight, bias, labels, valid, lse, target)
+        ctx.options = (num_heads, softcap, label_smoothing, z_loss, ops)
+        return losses
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_tokens):
+        hidden, weight, bias, labels, valid, lse, target = ctx.saved_tensors
+        num_heads, softcap, label_smoothing, z_loss, ops = ctx.options
+        needs = tuple(ctx.needs_input_grad[:3])
+        if not any(needs):
+            return (None,) * 10
+        with torch.autocast(hidden.device.type, enabled=False):
+            alpha, beta, gamma = mixture.grad_coefficients(
+                lse, target, valid, grad_tokens, weight.shape[0], label_smoothing, z_loss
+            )
+            dx, dw, db = ops.backward(
+                hidden, weight, bias, labels, lse, alpha.contiguous(), beta.contiguous(),
+                gamma.contiguous(), num_heads, softcap, needs,
+            )
+        return dx, dw, db, None, None, None, None, None, None, None
+
+
+class MixtureLogprobs(torch.autograd.Function):
+    """log pbar [N, V] (chunked torch sweeps on every device: the output is [N, V] by nature)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, num_heads, softcap):
+        with torch.autocast(hidden.device.type, enabled=False):
+            out, lse = torch_sweep.mixture_logprobs(hidden, weight, bias, num_heads, softcap)
+        ctx.save_for_backward(hidden, weight, bias, lse, out)
+        ctx.options = (num_heads, softcap)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        hidden, weight, bias, lse, out = ctx.saved_tensors
+        num_heads, softcap = ctx.options
+        needs = tuple(ctx.needs_input_grad[:3])
+        if not any(needs):
+            return None, None, None, None, None
+        with torch.autocast(hidden.device.type, enabled=False):
+            dx, dw, db = torch_sweep.mixture_logprobs_backward(
+                hidden, weight, bias, num_heads, softcap, lse, out, grad, needs
+            )
+        return dx, dw, db, None, None

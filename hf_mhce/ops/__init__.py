@@ -1,0 +1,14 @@
+"""Pure tensor math: the vocabulary sweeps of fused (multi-head) cross-entropy.
+
+No autograd and no argument checking here (see ``hf_mhce.losses``).  Two interchangeable
+implementations with the same signatures:
+
+- ``torch_sweep``: chunked torch, any device, memory bounded by ``HF_MHCE_CHUNK_MB``;
+- ``triton_forward`` / ``triton_backward``: Triton kernels for CUDA (or CPU under
+  ``TRITON_INTERPRET=1``), imported lazily because triton is optional.
+
+``mixture`` turns the per-head statistics into losses and gradient coefficients.
+Conventions: hidden [N, D] and weight [V, D] contiguous, labels [N] int64 with -1 for ignored
+tokens, per-head statistics [N, H] in the compute dtype (float32; float64 on the torch path for
+float64 inputs).
+"""

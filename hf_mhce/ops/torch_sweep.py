@@ -1,0 +1,241 @@
+"""Chunked torch implementation of the multi-head vocabulary sweeps (CPU and any non-CUDA device).
+
+Blocks of [H, rows, cols] logits are formed one at a time, never the [N, V] (or [N, H, V]) logits.
+The block shape follows a memory budget, ``HF_MHCE_CHUNK_MB`` (default 64 MB), which bounds every
+temporary of a block: the logits block and its three elementwise companions, the weight columns
+upcast to the compute dtype and, in the backward, their gradient accumulator.  Outside the budget
+the sweeps keep O(N * H) statistics, plus (backward) a compute-dtype dX buffer when hidden is not
+already in the compute dtype.
+
+Loops run over vocabulary chunks outermost so that each weight chunk is upcast once and its
+gradient is accumulated in the compute dtype (float32, or float64 for float64 inputs) and written
+to dW once: no low-precision accumulation of dW across chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+DEFAULT_CHUNK_MB = 64.0
+_MAX_COLS = 4096
+
+
+def chunk_bytes() -> int:
+    """Memory budget of one block in bytes, from ``HF_MHCE_CHUNK_MB`` (read on every call)."""
+    raw = os.environ.get("HF_MHCE_CHUNK_MB", "")
+    try:
+        mb = float(raw) if raw else DEFAULT_CHUNK_MB
+    except ValueError:
+        raise ValueError(f"HF_MHCE_CHUNK_MB must be a number of megabytes, got {raw!r}") from None
+    if not mb > 0:
+        raise ValueError(f"HF_MHCE_CHUNK_MB must be positive, got {raw!r}")
+    return int(mb * 2**20)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def block_shape(n: int, v: int, d: int, h: int, elem: int, budget: int) -> tuple[int, int]:
+    """(rows, cols) of a logits block so that its temporaries fit in ``budget`` bytes."""
+    cols = min(v, _MAX_COLS)
+    while True:
+        fixed = 2 * cols * d * elem  # upcast weight chunk + its gradient accumulator
+        per_row = 4 * h * cols * elem + 2 * d * elem  # logits-sized temporaries + hidden rows
+        rows = (budget - fixed) // per_row
+        if rows >= min(n, 16) or cols == 1:
+            return int(max(1, min(n, rows))), cols
+        cols = max(1, cols // 2)
+
+
+def _blocks(total: int, size: int):
+    for start in range(0, total, size):
+        yield start, min(start + size, total)
+
+
+class _Problem:
+    """Inputs of one sweep, viewed per head, with block iteration helpers."""
+
+    def __init__(self, x, w, bias, num_heads, softcap):
+        self.x, self.w, self.bias, self.h, self.softcap = x, w, bias, num_heads, softcap
+        self.n, self.d = x.shape
+        self.v = w.shape[0]
+        self.dh = self.d // num_heads
+        self.cdt = compute_dtype(x.dtype)
+        elem = torch.finfo(self.cdt).bits // 8
+        self.rows, self.cols = block_shape(self.n, self.v, self.d, num_heads, elem, chunk_bytes())
+
+    def weight_chunk(self, v0, v1):
+        """[H, Dh, cols] compute-dtype view of weight rows v0:v1."""
+        return self.w[v0:v1].to(self.cdt).view(v1 - v0, self.h, self.dh).permute(1, 2, 0)
+
+    def hidden_chunk(self, n0, n1):
+        """[H, rows, Dh] compute-dtype view of hidden rows n0:n1."""
+        return self.x[n0:n1].to(self.cdt).view(n1 - n0, self.h, self.dh).transpose(0, 1)
+
+    def logits(self, xc, wc, v0, v1):
+        """(pre-softcap z, post-softcap y) blocks [H, rows, cols]."""
+        z = torch.matmul(xc, wc)
+        if self.bias is not None:
+            z = z + self.bias[v0:v1].to(self.cdt)
+        if self.softcap is None:
+            return z, z
+        return z, self.softcap * torch.tanh(z / self.softcap)
+
+
+def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum):
+    """Per-head logsumexp, target logit and (optionally) logit sum, each [N, H] in compute dtype.
+
+    ``labels`` [N] int64, -1 for ignored tokens (their statistics are computed but unused).
+    The target logits are formed before the sweep, one dot product per token and head.
+    """
+    pb = _Problem(x, w, bias, num_heads, softcap)
+    target = target_logits(pb, labels)
+    lse, logit_sum = _lse_sweep(pb, need_logit_sum)
+    return lse, target, logit_sum
+
+
+def target_logits(pb: _Problem, labels):
+    out = torch.empty(pb.n, pb.h, dtype=pb.cdt, device=pb.x.device)
+    for n0, n1 in _blocks(pb.n, pb.rows):
+        t = labels[n0:n1].clamp_min(0)
+        xt = pb.x[n0:n1].to(pb.cdt).view(n1 - n0, pb.h, pb.dh)
+        wt = pb.w[t].to(pb.cdt).view(n1 - n0, pb.h, pb.dh)
+        z = (xt * wt).sum(-1)
+        if pb.bias is not None:
+            z = z + pb.bias[t].to(pb.cdt)[:, None]
+        out[n0:n1] = z if pb.softcap is None else pb.softcap * torch.tanh(z / pb.softcap)
+    return out
+
+
+def _lse_sweep(pb: _Problem, need_logit_sum: bool):
+    shape = (pb.h, pb.n)
+    m = torch.full(shape, -math.inf, dtype=pb.cdt, device=pb.x.device)
+    s = torch.zeros(shape, dtype=pb.cdt, device=pb.x.device)
+    ysum = torch.zeros(shape, dtype=pb.cdt, device=pb.x.device) if need_logit_sum else None
+    for v0, v1 in _blocks(pb.v, pb.cols):
+        wc = pb.weight_chunk(v0, v1)
+        for n0, n1 in _blocks(pb.n, pb.rows):
+            _, y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+            m_old = m[:, n0:n1]
+            m_new = torch.maximum(m_old, y.amax(dim=-1))
+            s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - m_new) + torch.exp(y - m_new[..., None]).sum(-1)
+            m[:, n0:n1] = m_new
+            if ysum is not None:
+                ysum[:, n0:n1] += y.sum(-1)
+    lse = (m + torch.log(s)).T.contiguous()
+    return lse, (ysum.T.contiguous() if ysum is not None else None)
+
+
+def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs):
+    """Gradients (dX, dW, dB) of sum_n loss_n given the coefficients of ``mixture.grad_coefficients``.
+
+    dy[n, h, j] = alpha[n, h] * p[n, h, j] - beta[n, h] * [j == t_n] - gamma[n]; ``needs`` says
+    which of (dX, dW, dB) to produce (None in place of the others).  labels: -1 marks ignored tokens.
+    """
+    pb = _Problem(x, w, bias, num_heads, softcap)
+    valid = labels >= 0
+    dev = x.device
+    need_dx, need_dw, need_db = needs
+    dx = torch.zeros(pb.n, pb.h, pb.dh, dtype=pb.cdt, device=dev) if need_dx else None
+    dw = torch.empty_like(w) if need_dw else None
+    db = torch.zeros(pb.v, dtype=pb.cdt, device=dev) if need_db else None
+    lse_t, alpha_t, beta_t = lse.T, alpha.T, beta.T  # [H, N]
+    any_invalid = not bool(valid.all())
+    for v0, v1 in _blocks(pb.v, pb.cols):
+        wc = pb.weight_chunk(v0, v1)  # [H, Dh, cols]
+        dwc = torch.zeros(pb.h, v1 - v0, pb.dh, dtype=pb.cdt, device=dev) if need_dw else None
+        for n0, n1 in _blocks(pb.n, pb.rows):
+            xc = pb.hidden_chunk(n0, n1)
+            z, y = pb.logits(xc, wc, v0, v1)
+            dz = torch.exp(y - lse_t[:, n0:n1, None]).mul_(alpha_t[:, n0:n1, None])
+            dz -= gamma[None, n0:n1, None]
+            t = labels[n0:n1]
+            hit = ((t >= v0) & (t < v1)).nonzero().squeeze(1)  # tokens whose target is in this chunk
+            if hit.numel():
+                dz[:, hit, t[hit] - v0] -= beta_t[:, n0:n1][:, hit]
+            if softcap is not None:
+                dz *= 1.0 - torch.square(y / softcap)
+            if any_invalid:  # invalid tokens may carry NaN logits; their gradient is exactly 0
+                dz = dz.masked_fill(~valid[None, n0:n1, None], 0.0)
+            if need_dx:
+                dx[n0:n1] += torch.matmul(dz, wc.transpose(1, 2)).transpose(0, 1)
+            if need_dw:
+                dwc += torch.matmul(dz.transpose(1, 2), xc)
+            if need_db:
+                db[v0:v1] += dz.sum(dim=(0, 1))
+        if need_dw:
+            dw[v0:v1] = dwc.permute(1, 0, 2).reshape(v1 - v0, pb.d)
+    dx = dx.view(pb.n, pb.d).to(x.dtype) if need_dx else None
+    db = db.to(bias.dtype) if need_db else None
+    return dx, dw, db
+
+
+def mixture_logprobs(x, w, bias, num_heads, softcap):
+    """log pbar [N, V] in compute dtype: two sweeps (per-head lse, then the mixture per block)."""
+    pb = _Problem(x, w, bias, num_heads, softcap)
+    lse, _ = _lse_sweep(pb, need_logit_sum=False)
+    out = torch.empty(pb.n, pb.v, dtype=pb.cdt, device=x.device)
+    lse_t = lse.T
+    log_h = math.log(num_heads)
+    for v0, v1 in _blocks(pb.v, pb.cols):
+        wc = pb.weight_chunk(v0, v1)
+        for n0, n1 in _blocks(pb.n, pb.rows):
+            _, y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+            logp = y - lse_t[:, n0:n1, None]
+            out[n0:n1, v0:v1] = logp[0] if num_heads == 1 else torch.logsumexp(logp, dim=0) - log_h
+    return out, lse
+
+
+def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad, needs):
+    """Gradients of sum(grad * log pbar).
+
+    d log pbar_k / d y_hj = r_hk ([k = j] - p_hj) with r_hk = p_hk / (H pbar_k), hence
+    dy_hj = grad_j r_hj - p_hj S_h where S_h = sum_k grad_k r_hk (one extra sweep, H > 1 only).
+    """
+    pb = _Problem(x, w, bias, num_heads, softcap)
+    grad = grad.to(pb.cdt)
+    lse_t = lse.T
+    log_h = math.log(num_heads)
+
+    def block_terms(wc, v0, v1, n0, n1):
+        z, y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+        logp = y - lse_t[:, n0:n1, None]
+        r = torch.exp(logp - log_h - logpbar[None, n0:n1, v0:v1])
+        return y, logp, r * grad[None, n0:n1, v0:v1]
+
+    s = torch.zeros(pb.h, pb.n, dtype=pb.cdt, device=x.device)
+    if num_heads == 1:
+        s[0] = grad.sum(-1)
+    else:
+        for v0, v1 in _blocks(pb.v, pb.cols):
+            wc = pb.weight_chunk(v0, v1)
+            for n0, n1 in _blocks(pb.n, pb.rows):
+                s[:, n0:n1] += block_terms(wc, v0, v1, n0, n1)[2].sum(-1)
+
+    need_dx, need_dw, need_db = needs
+    dx = torch.zeros(pb.n, pb.h, pb.dh, dtype=pb.cdt, device=x.device) if need_dx else None
+    dw = torch.empty_like(w) if need_dw else None
+    db = torch.zeros(pb.v, dtype=pb.cdt, device=x.device) if need_db else None
+    for v0, v1 in _blocks(pb.v, pb.cols):
+        wc = pb.weight_chunk(v0, v1)
+        dwc = torch.zeros(pb.h, v1 - v0, pb.dh, dtype=pb.cdt, device=x.device) if need_dw else None
+        for n0, n1 in _blocks(pb.n, pb.rows):
+            y, logp, gr = block_terms(wc, v0, v1, n0, n1)
+            dz = gr - torch.exp(logp) * s[:, n0:n1, None]
+            if softcap is not None:
+                dz *= 1.0 - torch.square(y / softcap)
+            if need_dx:
+                dx[n0:n1] += torch.matmul(dz, wc.transpose(1, 2)).transpose(0, 1)
+            if need_dw:
+                dwc += torch.matmul(dz.transpose(1, 2), pb.hidden_chunk(n0, n1))
+            if need_db:
+                db[v0:v1] += dz.sum(dim=(0, 1))
+        if need_dw:
+            dw[v0:v1] = dwc.permute(1, 0, 2).reshape(v1 - v0, pb.d)
+    dx = dx.view(pb.n, pb.d).to(x.dtype) if need_dx else None
+    db = db.to(bias.dtype) if need_db else None
+    return dx, dw, db

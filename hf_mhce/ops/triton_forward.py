@@ -1,0 +1,88 @@
+"""Triton forward sweep: per token and head, the online logsumexp over the vocabulary, the target
+logit (computed before the sweep, one dot product) and optionally the sum of the logits.
+
+Grid: (token blocks, heads).  Each program streams the whole vocabulary for BLOCK_N tokens of one
+head; the statistics stay in registers, so extra memory is O(N * H) for the outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_tile import block_sizes, dot_settings, logits_tile, softcap_fn
+
+
+@triton.jit
+def _forward_kernel(
+    X, W, B, Labels, Lse, Target, LogitSum,
+    N, V, Dh, stride_x, stride_w, softcap,
+    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    col0 = head * Dh
+
+    # Target logit first, so that a later pass over the same tiles can compare against it.
+    # Ignored tokens (label -1) gather nothing: their row of W would be out of bounds.
+    labels = tl.load(Labels + rows, mask=row_mask, other=-1)
+    row_valid = labels >= 0
+    labels = tl.where(row_valid, labels, 0)
+    t_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, Dh, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = (ks < Dh)[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + (col0 + ks)[None, :], mask=row_mask[:, None] & k_mask, other=0.0)
+        w = tl.load(W + labels[:, None] * stride_w + (col0 + ks)[None, :], mask=row_valid[:, None] & k_mask, other=0.0)
+        t_acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        t_acc += tl.load(B + labels, mask=row_valid, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        t_acc = softcap_fn(t_acc, softcap)
+
+    m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    y_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_mask = cols < V
+        y = logits_tile(X, W, B, rows, cols, row_mask, col_mask, col0, Dh, stride_x, stride_w, softcap,
+                        HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
+        y = tl.where(col_mask[None, :], y, float("-inf"))
+        m_new = tl.maximum(m, tl.max(y, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new[:, None]), axis=1)
+        m = m_new
+        if NEED_SUM:
+            y_sum += tl.sum(tl.where(col_mask[None, :], y, 0.0), axis=1)
+
+    out = rows * NUM_HEADS + head
+    tl.store(Lse + out, m + tl.log(s), mask=row_mask)
+    tl.store(Target + out, t_acc, mask=row_mask)
+    if NEED_SUM:
+        tl.store(LogitSum + out, y_sum, mask=row_mask)
+
+
+def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum):
+    """Triton counterpart of ``torch_sweep.forward_stats``: (lse, target, logit_sum) [N, H] float32.
+
+    ``labels`` must be clamped into [0, V); x [N, D] and w [V, D] contiguous in their last dim.
+    """
+    n, d = x.shape
+    v = w.shape[0]
+    dh = d // num_heads
+    lse = torch.empty(n, num_heads, dtype=torch.float32, device=x.device)
+    target = torch.empty_like(lse)
+    logit_sum = torch.empty_like(lse) if need_logit_sum else lse  # dummy pointer when unused
+    cfg = block_sizes(x.dtype, dh)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), num_heads)
+    _forward_kernel[grid](
+        x, w, bias if bias is not None else x, labels, lse, target, logit_sum,
+        n, v, dh, x.stride(0), w.stride(0), float(softcap) if softcap is not None else 1.0,
+        NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+        NEED_SUM=need_logit_sum, **cfg, **dot_settings(x.dtype),
+    )
+    return lse, target, (logit_sum if need_logit_sum else None)

@@ -1,0 +1,78 @@
+"""Pieces shared by the Triton sweeps: the logits tile of one head and the launch settings.
+
+A tile is y[rows, cols] = softcap(X[rows, head cols] @ W[cols, head cols]^T + b[cols]) for one
+head (a contiguous slice of D of width Dh), accumulated in float32.  Offsets are 64-bit so that
+N * V and V * D beyond 2^31 are addressed correctly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+def dot_settings(dtype: torch.dtype) -> dict:
+    """Constexprs for ``dot``: exact fp32 products for fp32 inputs (no TF32), native otherwise.
+
+    The interpreter computes through numpy, which has no bfloat16: there the operands are upcast
+    (exact, since bf16 -> fp32 is lossless), a path the compiled kernels never take.
+    """
+    return {
+        "DOT_UPCAST": interpreting() and dtype == torch.bfloat16,
+        "PRECISION": "ieee" if dtype == torch.float32 else None,
+    }
+
+
+def block_sizes(dtype: torch.dtype, dh: int) -> dict:
+    """Tile sizes.  Small under the interpreter (speed of the CPU tests); GPU defaults otherwise."""
+    if interpreting():
+        return {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "num_warps": 1}
+    # Starting points only: tuned per device in the benchmarks (issue P6).
+    return {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 64, "num_warps": 8 if dh >= 64 else 4}
+
+
+@triton.jit
+def dot(a, b, acc, DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    if DOT_UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def softcap_fn(z, softcap):
+    # c * tanh(z / c) written with exp: saturates cleanly to +-c for large |z|.
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * z / softcap) + 1.0))
+
+
+@triton.jit
+def logits_tile(
+    X, W, B, rows, cols, row_mask, col_mask, col0, Dh, stride_x, stride_w, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Float32 logits tile [BLOCK_N, BLOCK_V] of one head (softcap applied when enabled)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    for k0 in range(0, Dh, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < Dh
+        x = tl.load(X + rows[:, None] * stride_x + (col0 + ks)[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(W + cols[:, None] * stride_w + (col0 + ks)[None, :],
+                    mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = dot(x, tl.trans(w), acc, DOT_UPCAST, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_SOFTCAP:
+        acc = softcap_fn(acc, softcap)
+    return acc
