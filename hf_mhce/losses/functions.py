@@ -16,13 +16,11 @@ class MultiHeadTokenLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, valid, num_heads, softcap, label_smoothing, z_loss, ops):
         with torch.autocast(hidden.device.type, enabled=False):
-            lse, target, logit_sum = ops.forward_stats(
-                hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0
-            )
+            stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0)
             losses = mixture.token_losses(
-                lse, target, logit_sum, valid, weight.shape[0], label_smoothing, z_loss
+                stats.lse, stats.target, stats.logit_sum, valid, weight.shape[0], label_smoothing, z_loss
             )
-        ctx.save_for_backward(hidden, weight, bias, labels, valid, lse, target)
+        ctx.save_for_backward(hidden, weight, bias, labels, valid, stats.lse, stats.target)
         ctx.options = (num_heads, softcap, label_smoothing, z_loss, ops)
         return losses
 

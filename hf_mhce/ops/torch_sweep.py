@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -77,25 +78,39 @@ class _Problem:
         return self.x[n0:n1].to(self.cdt).view(n1 - n0, self.h, self.dh).transpose(0, 1)
 
     def logits(self, xc, wc, v0, v1):
-        """(pre-softcap z, post-softcap y) blocks [H, rows, cols]."""
-        z = torch.matmul(xc, wc)
+        """Logits block [H, rows, cols] in compute dtype, softcap applied."""
+        y = torch.matmul(xc, wc)
         if self.bias is not None:
-            z = z + self.bias[v0:v1].to(self.cdt)
-        if self.softcap is None:
-            return z, z
-        return z, self.softcap * torch.tanh(z / self.softcap)
+            y = y + self.bias[v0:v1].to(self.cdt)
+        return y if self.softcap is None else self.softcap * torch.tanh(y / self.softcap)
 
 
-def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum):
-    """Per-head logsumexp, target logit and (optionally) logit sum, each [N, H] in compute dtype.
+class SweepStats(NamedTuple):
+    """Per-token statistics of a forward sweep; [N, H] in compute dtype, ranks [N] int64."""
+
+    lse: torch.Tensor
+    target: torch.Tensor
+    logit_sum: torch.Tensor | None
+    ranks: torch.Tensor | None
+
+
+def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False):
+    """Per-head logsumexp, target logit, optional logit sum and optional target ranks.
 
     ``labels`` [N] int64, -1 for ignored tokens (their statistics are computed but unused).
-    The target logits are formed before the sweep, one dot product per token and head.
+    The target logits are formed before the sweep, one dot product per token and head, so that
+    the one-head rank (entries j != t with y_j > y_t, compared in float32) is counted in the
+    same pass.  Under several heads the rank is taken under the mixture, whose per-entry
+    log-probabilities need every head's logsumexp: a second sweep.  Ties are decided on the
+    float32 values: entries whose logits equal the target's exactly (e.g. duplicated rows with
+    exact products) rank below it; values equal only up to rounding may fall either side.
     """
     pb = _Problem(x, w, bias, num_heads, softcap)
     target = target_logits(pb, labels)
-    lse, logit_sum = _lse_sweep(pb, need_logit_sum)
-    return lse, target, logit_sum
+    lse, logit_sum, ranks = _lse_sweep(pb, need_logit_sum, labels if need_ranks and num_heads == 1 else None, target)
+    if need_ranks and num_heads > 1:
+        ranks = _mixture_rank_sweep(pb, lse, target, labels)
+    return SweepStats(lse, target, logit_sum, ranks)
 
 
 def target_logits(pb: _Problem, labels):
@@ -111,23 +126,56 @@ def target_logits(pb: _Problem, labels):
     return out
 
 
-def _lse_sweep(pb: _Problem, need_logit_sum: bool):
+def _count_above(values, reference, labels, v0):
+    """Per row, entries of ``values`` [rows, cols] strictly above ``reference`` [rows], target excluded."""
+    above = values > reference[:, None]
+    t = labels - v0
+    hit = ((t >= 0) & (t < values.shape[1])).nonzero().squeeze(1)
+    above[hit, t[hit]] = False
+    return above.sum(-1)
+
+
+def _lse_sweep(pb: _Problem, need_logit_sum: bool, rank_labels=None, target=None):
     shape = (pb.h, pb.n)
-    m = torch.full(shape, -math.inf, dtype=pb.cdt, device=pb.x.device)
-    s = torch.zeros(shape, dtype=pb.cdt, device=pb.x.device)
-    ysum = torch.zeros(shape, dtype=pb.cdt, device=pb.x.device) if need_logit_sum else None
+    dev = pb.x.device
+    m = torch.full(shape, -math.inf, dtype=pb.cdt, device=dev)
+    s = torch.zeros(shape, dtype=pb.cdt, device=dev)
+    ysum = torch.zeros(shape, dtype=pb.cdt, device=dev) if need_logit_sum else None
+    ranks = torch.zeros(pb.n, dtype=torch.int64, device=dev) if rank_labels is not None else None
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            _, y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
             m_old = m[:, n0:n1]
             m_new = torch.maximum(m_old, y.amax(dim=-1))
             s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - m_new) + torch.exp(y - m_new[..., None]).sum(-1)
             m[:, n0:n1] = m_new
             if ysum is not None:
                 ysum[:, n0:n1] += y.sum(-1)
+            if ranks is not None:
+                ranks[n0:n1] += _count_above(y[0], target[n0:n1, 0], rank_labels[n0:n1], v0)
     lse = (m + torch.log(s)).T.contiguous()
-    return lse, (ysum.T.contiguous() if ysum is not None else None)
+    return lse, (ysum.T.contiguous() if ysum is not None else None), ranks
+
+
+def _logsumexp_heads(t):
+    """logsumexp over dim 0 written out, so that the target and the blocks round identically."""
+    m = t.amax(dim=0)
+    return m + torch.log(torch.exp(t - m).sum(dim=0))
+
+
+def _mixture_rank_sweep(pb: _Problem, lse, target, labels):
+    """Ranks under the mixture: entries j != t with log pbar_j > log pbar_t (float32)."""
+    lse_t = lse.T  # [H, N]
+    mix_target = _logsumexp_heads(target.T - lse_t)  # log(H * pbar_t), [N]
+    ranks = torch.zeros(pb.n, dtype=torch.int64, device=pb.x.device)
+    for v0, v1 in _blocks(pb.v, pb.cols):
+        wc = pb.weight_chunk(v0, v1)
+        for n0, n1 in _blocks(pb.n, pb.rows):
+            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+            mix = _logsumexp_heads(y - lse_t[:, n0:n1, None])
+            ranks[n0:n1] += _count_above(mix, mix_target[n0:n1], labels[n0:n1], v0)
+    return ranks
 
 
 def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs):
@@ -150,7 +198,7 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
         dwc = torch.zeros(pb.h, v1 - v0, pb.dh, dtype=pb.cdt, device=dev) if need_dw else None
         for n0, n1 in _blocks(pb.n, pb.rows):
             xc = pb.hidden_chunk(n0, n1)
-            z, y = pb.logits(xc, wc, v0, v1)
+            y = pb.logits(xc, wc, v0, v1)
             dz = torch.exp(y - lse_t[:, n0:n1, None]).mul_(alpha_t[:, n0:n1, None])
             dz -= gamma[None, n0:n1, None]
             t = labels[n0:n1]
@@ -177,14 +225,14 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
 def mixture_logprobs(x, w, bias, num_heads, softcap):
     """log pbar [N, V] in compute dtype: two sweeps (per-head lse, then the mixture per block)."""
     pb = _Problem(x, w, bias, num_heads, softcap)
-    lse, _ = _lse_sweep(pb, need_logit_sum=False)
+    lse, _, _ = _lse_sweep(pb, need_logit_sum=False)
     out = torch.empty(pb.n, pb.v, dtype=pb.cdt, device=x.device)
     lse_t = lse.T
     log_h = math.log(num_heads)
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            _, y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
             logp = y - lse_t[:, n0:n1, None]
             out[n0:n1, v0:v1] = logp[0] if num_heads == 1 else torch.logsumexp(logp, dim=0) - log_h
     return out, lse
@@ -202,7 +250,7 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad
     log_h = math.log(num_heads)
 
     def block_terms(wc, v0, v1, n0, n1):
-        z, y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+        y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
         logp = y - lse_t[:, n0:n1, None]
         r = torch.exp(logp - log_h - logpbar[None, n0:n1, v0:v1])
         return y, logp, r * grad[None, n0:n1, v0:v1]

@@ -1,5 +1,6 @@
 """Triton forward sweep: per token and head, the online logsumexp over the vocabulary, the target
-logit (computed before the sweep, one dot product) and optionally the sum of the logits.
+logit (computed before the sweep, one dot product), optionally the sum of the logits and, for one
+head, the target's rank in the same pass (several heads: ``triton_ranks``).
 
 Grid: (token blocks, heads).  Each program streams the whole vocabulary for BLOCK_N tokens of one
 head; the statistics stay in registers, so extra memory is O(N * H) for the outputs.
@@ -11,14 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .torch_sweep import SweepStats
+from .triton_ranks import mixture_ranks
 from .triton_tile import block_sizes, dot_settings, logits_tile, softcap_fn
 
 
 @triton.jit
 def _forward_kernel(
-    X, W, B, Labels, Lse, Target, LogitSum,
+    X, W, B, Labels, Lse, Target, LogitSum, Ranks,
     N, V, Dh, stride_x, stride_w, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
+    NEED_RANKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -31,6 +35,7 @@ def _forward_kernel(
     # Ignored tokens (label -1) gather nothing: their row of W would be out of bounds.
     labels = tl.load(Labels + rows, mask=row_mask, other=-1)
     row_valid = labels >= 0
+    raw_labels = labels
     labels = tl.where(row_valid, labels, 0)
     t_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, Dh, BLOCK_K):
@@ -47,6 +52,7 @@ def _forward_kernel(
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     y_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    rank = tl.zeros([BLOCK_N], dtype=tl.int64)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = cols < V
@@ -58,18 +64,23 @@ def _forward_kernel(
         m = m_new
         if NEED_SUM:
             y_sum += tl.sum(tl.where(col_mask[None, :], y, 0.0), axis=1)
+        if NEED_RANKS:  # one head only: entries j != t above the target logit (masked cols are -inf)
+            above = (y > t_acc[:, None]) & (cols[None, :] != raw_labels[:, None])
+            rank += tl.sum(above.to(tl.int64), axis=1)
 
     out = rows * NUM_HEADS + head
     tl.store(Lse + out, m + tl.log(s), mask=row_mask)
     tl.store(Target + out, t_acc, mask=row_mask)
     if NEED_SUM:
         tl.store(LogitSum + out, y_sum, mask=row_mask)
+    if NEED_RANKS:
+        tl.store(Ranks + rows, rank, mask=row_mask)
 
 
-def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum):
-    """Triton counterpart of ``torch_sweep.forward_stats``: (lse, target, logit_sum) [N, H] float32.
+def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False):
+    """Triton counterpart of ``torch_sweep.forward_stats`` (same SweepStats, float32).
 
-    ``labels`` must be clamped into [0, V); x [N, D] and w [V, D] contiguous in their last dim.
+    ``labels`` [N] int64 with -1 for ignored tokens; x [N, D] and w [V, D] contiguous.
     """
     n, d = x.shape
     v = w.shape[0]
@@ -77,12 +88,16 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum):
     lse = torch.empty(n, num_heads, dtype=torch.float32, device=x.device)
     target = torch.empty_like(lse)
     logit_sum = torch.empty_like(lse) if need_logit_sum else lse  # dummy pointer when unused
+    same_pass_ranks = need_ranks and num_heads == 1
+    ranks = torch.zeros(n, dtype=torch.int64, device=x.device) if same_pass_ranks else labels
     cfg = block_sizes(x.dtype, dh)
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), num_heads)
     _forward_kernel[grid](
-        x, w, bias if bias is not None else x, labels, lse, target, logit_sum,
+        x, w, bias if bias is not None else x, labels, lse, target, logit_sum, ranks,
         n, v, dh, x.stride(0), w.stride(0), float(softcap) if softcap is not None else 1.0,
         NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        NEED_SUM=need_logit_sum, **cfg, **dot_settings(x.dtype),
+        NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **cfg, **dot_settings(x.dtype),
     )
-    return lse, target, (logit_sum if need_logit_sum else None)
+    if need_ranks and num_heads > 1:
+        ranks = mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap)
+    return SweepStats(lse, target, logit_sum if need_logit_sum else None, ranks if need_ranks else None)

@@ -1,0 +1,72 @@
+"""Triton rank sweep under the mixture (several heads): per token, the number of entries j != t
+with log pbar_j > log pbar_t, compared in float32.
+
+The mixture's per-entry log-probabilities need every head's logsumexp, so this is a second sweep
+after ``triton_forward``.  Grid: token blocks; each program streams the vocabulary and, per tile,
+combines the H head tiles with an online logsumexp.  The target's mixture value is built by the
+same sequence of operations from the target logits, so exact ties compare equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_tile import block_sizes, dot_settings, logits_tile
+
+
+@triton.jit
+def _mixture_rank_kernel(
+    X, W, B, Labels, Lse, Target, Ranks,
+    N, V, Dh, stride_x, stride_w, softcap,
+    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    labels = tl.load(Labels + rows, mask=row_mask, other=-1)
+
+    t_max = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    t_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for h in range(0, NUM_HEADS):
+        lp = tl.load(Target + rows * NUM_HEADS + h, mask=row_mask, other=0.0) \
+            - tl.load(Lse + rows * NUM_HEADS + h, mask=row_mask, other=0.0)
+        new_max = tl.maximum(t_max, lp)
+        t_sum = t_sum * tl.exp(t_max - new_max) + tl.exp(lp - new_max)
+        t_max = new_max
+    t_mix = t_max + tl.log(t_sum)
+
+    rank = tl.zeros([BLOCK_N], dtype=tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        col_mask = cols < V
+        m = tl.full([BLOCK_N, BLOCK_V], float("-inf"), dtype=tl.float32)
+        s = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+        for h in range(0, NUM_HEADS):
+            y = logits_tile(X, W, B, rows, cols, row_mask, col_mask, h * Dh, Dh, stride_x, stride_w, softcap,
+                            HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
+            lp = y - tl.load(Lse + rows * NUM_HEADS + h, mask=row_mask, other=0.0)[:, None]
+            new_max = tl.maximum(m, lp)
+            s = s * tl.exp(m - new_max) + tl.exp(lp - new_max)
+            m = new_max
+        mix = m + tl.log(s)
+        above = (mix > t_mix[:, None]) & col_mask[None, :] & (cols[None, :] != labels[:, None])
+        rank += tl.sum(above.to(tl.int64), axis=1)
+    tl.store(Ranks + rows, rank, mask=row_mask)
+
+
+def mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap):
+    """Ranks [N] int64 under the mixture, from the forward's float32 lse and target [N, H]."""
+    n, d = x.shape
+    dh = d // num_heads
+    ranks = torch.zeros(n, dtype=torch.int64, device=x.device)
+    cfg = block_sizes(x.dtype, dh)
+    _mixture_rank_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, w, bias if bias is not None else x, labels, lse, target, ranks,
+        n, w.shape[0], dh, x.stride(0), w.stride(0), float(softcap) if softcap is not None else 1.0,
+        NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+        **cfg, **dot_settings(x.dtype),
+    )
+    return ranks
