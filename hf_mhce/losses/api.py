@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import checks, dispatch
+from .collect import active_sink
 from .functions import MixtureLogprobs, MultiHeadTokenLoss
 
 
@@ -84,6 +85,7 @@ def multi_head_cross_entropy(
     losses = MultiHeadTokenLoss.apply(
         inputs.hidden, inputs.weight, inputs.bias, inputs.labels, inputs.valid, num_heads,
         float(softcap) if softcap is not None else None, float(label_smoothing), float(z_loss), ops,
+        active_sink(),
     )
     return _reduce(losses, inputs.valid, inputs.label_shape, reduction, num_items_in_batch)
 

@@ -14,12 +14,16 @@ class MultiHeadTokenLoss(torch.autograd.Function):
     """Per-token MHCE loss [N]; the incoming gradient is per token, so every reduction is exact."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, valid, num_heads, softcap, label_smoothing, z_loss, ops):
+    def forward(ctx, hidden, weight, bias, labels, valid, num_heads, softcap, label_smoothing, z_loss, ops,
+                sink=None):
         with torch.autocast(hidden.device.type, enabled=False):
-            stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0)
+            stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0,
+                                      need_ranks=sink is not None)
             losses = mixture.token_losses(
                 stats.lse, stats.target, stats.logit_sum, valid, weight.shape[0], label_smoothing, z_loss
             )
+            if sink is not None:
+                sink(stats.ranks[valid], mixture.token_nll(stats.lse[valid], stats.target[valid]))
         ctx.save_for_backward(hidden, weight, bias, labels, valid, stats.lse, stats.target)
         ctx.options = (num_heads, softcap, label_smoothing, z_loss, ops)
         return losses
@@ -31,7 +35,7 @@ class MultiHeadTokenLoss(torch.autograd.Function):
         num_heads, softcap, label_smoothing, z_loss, ops = ctx.options
         needs = tuple(ctx.needs_input_grad[:3])
         if not any(needs):
-            return (None,) * 10
+            return (None,) * 11
         with torch.autocast(hidden.device.type, enabled=False):
             alpha, beta, gamma = mixture.grad_coefficients(
                 lse, target, valid, grad_tokens, weight.shape[0], label_smoothing, z_loss
@@ -40,7 +44,7 @@ class MultiHeadTokenLoss(torch.autograd.Function):
                 hidden, weight, bias, labels, lse, alpha.contiguous(), beta.contiguous(),
                 gamma.contiguous(), num_heads, softcap, needs,
             )
-        return dx, dw, db, None, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None, None
 
 
 class MixtureLogprobs(torch.autograd.Function):
