@@ -2,7 +2,11 @@
 of cross-entropy for Hugging Face Transformers."""
 
 from .losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
+from .patching import apply_patch, unpatch, from_pretrained
 
 __version__ = "0.1.0"
 
-__all__ = ["linear_cross_entropy", "multi_head_cross_entropy", "multi_head_logprobs"]
+__all__ = [
+    "linear_cross_entropy", "multi_head_cross_entropy", "multi_head_logprobs",
+    "apply_patch", "unpatch", "from_pretrained",
+]

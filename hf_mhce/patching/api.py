@@ -1,0 +1,161 @@
+"""apply_patch / unpatch / from_pretrained: the public entry points of the patching layer."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from .config import CONFIG_KEY, OPTION_NAMES, resolve_config
+from .families import FAMILIES, LogitFacts, check_structure, model_type, probe_inputs, unsupported
+from .forward import ABSENT, STATE_ATTR, PatchState, generic_forward, make_forward, mirrored_signature
+from .head import UnsupportedHeadError, resolve_head
+
+# Model classes outside FAMILIES that passed (True) or failed (False) the verification probe.
+_PROBED: dict[type, bool] = {}
+
+
+def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
+                override_saved: bool = False, **loss_options):
+    """Route a causal LM's forward through the fused losses; returns ``model`` (patched in place).
+
+    model: a transformers causal LM, or a PeftModel wrapping one (before or after get_peft_model).
+    loss: "ce" or "mhce"; None keeps the config recorded in ``model.config.hf_mhce`` (or "ce").
+    num_heads: MHCE heads (must divide the hidden size); None keeps the recorded value.
+    override_saved: allow changing a recorded loss/num_heads (e.g. fine-tune an MHCE checkpoint with
+        plain CE); without it such a change raises, so a checkpoint's meaning is never lost silently.
+    loss_options: ignore_index, label_smoothing, z_loss, return_logits, backend (see LossConfig).
+
+    Only this instance is patched; calling again updates the options; ``unpatch`` undoes it.
+    """
+    target = _unwrap(model)
+    state = target.__dict__.get(STATE_ATTR)
+    out_cls, _ = check_structure(target)
+    facts = _facts(target, out_cls)
+    saved = getattr(target.config, CONFIG_KEY, None)
+    cfg = resolve_config(saved, state.config if state else None, loss, num_heads, loss_options, override_saved)
+    _check_head(target, cfg.num_heads)
+
+    if state is None:
+        sig = mirrored_signature(type(target))
+        hooked = "_old_forward" in target.__dict__ and hasattr(target, "_hf_hook")
+        attr = "_old_forward" if hooked else "forward"  # keep accelerate's device hook around us
+        state = PatchState(
+            config=cfg, facts=facts, output_cls=out_cls, signature=sig, positional=_positional(sig),
+            attr=attr, original=target.__dict__.get(attr, ABSENT),
+            original_config=saved if saved is not None else ABSENT,
+        )
+        target.__dict__[STATE_ATTR] = state
+        target.__dict__[attr] = types.MethodType(make_forward(sig, type(target)), target)
+    else:
+        state.config, state.facts = cfg, facts
+    setattr(target.config, CONFIG_KEY, cfg.to_saved())
+    return model
+
+
+def unpatch(model):
+    """Restore the original forward and the original ``model.config.hf_mhce``; returns ``model``."""
+    target = _unwrap(model)
+    state = target.__dict__.pop(STATE_ATTR, None)
+    if state is None:
+        return model
+    if state.original is ABSENT:
+        target.__dict__.pop(state.attr, None)
+    else:
+        target.__dict__[state.attr] = state.original
+    if state.original_config is ABSENT:
+        if hasattr(target.config, CONFIG_KEY):
+            delattr(target.config, CONFIG_KEY)
+    else:
+        setattr(target.config, CONFIG_KEY, state.original_config)
+    return model
+
+
+def is_patched(model) -> bool:
+    return STATE_ATTR in _unwrap(model).__dict__
+
+
+def from_pretrained(path_or_id, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` + ``apply_patch``.
+
+    A checkpoint whose config records ``hf_mhce`` gets its saved loss back; a plain checkpoint is
+    patched with loss="ce".  The apply_patch arguments (loss, num_heads, override_saved and the
+    LossConfig options) may be given here too; everything else goes to from_pretrained.
+    """
+    from transformers import AutoModelForCausalLM
+
+    names = ("loss", "num_heads", "override_saved", *OPTION_NAMES)
+    patch_kwargs = {k: kwargs.pop(k) for k in names if k in kwargs}
+    model = AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
+    return apply_patch(model, **patch_kwargs)
+
+
+def _unwrap(model) -> nn.Module:
+    """The transformers model inside a PeftModel (or LoraModel); the model itself otherwise."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.tuners_utils import BaseTuner
+    except ImportError:  # pragma: no cover
+        return model
+    if isinstance(model, PeftModel):
+        return model.get_base_model()
+    if isinstance(model, BaseTuner):  # LoraModel & co.: the tuner around the transformers model
+        return model.model
+    return model
+
+
+def _positional(sig) -> tuple[str, ...]:
+    kinds = (sig.parameters[n].kind for n in sig.parameters)
+    names = [n for n, k in zip(sig.parameters, kinds) if k in (k.POSITIONAL_ONLY, k.POSITIONAL_OR_KEYWORD)]
+    return tuple(names[1:])  # drop self
+
+
+def _check_head(model, num_heads: int) -> None:
+    try:
+        parts = resolve_head(model.get_output_embeddings())
+    except UnsupportedHeadError as err:
+        raise unsupported(model, str(err)) from err
+    hidden = parts.weight.shape[1]
+    if hidden % num_heads:
+        raise ValueError(
+            f"num_heads={num_heads} does not divide the hidden size {hidden} of {type(model).__name__}: "
+            f"MHCE splits the final hidden state into num_heads equal slices"
+        )
+
+
+def _facts(model, out_cls) -> LogitFacts:
+    """The family's logit facts; an unknown family must pass the verification probe first."""
+    kind = model_type(model)
+    if kind in FAMILIES:
+        return FAMILIES[kind]
+    cls = type(model)
+    if cls not in _PROBED:
+        _PROBED[cls] = _probe(model, out_cls)
+    if not _PROBED[cls]:
+        raise unsupported(model, f"model type {kind!r} is not in the family table and the generic forward "
+                                 "does not reproduce its logits")
+    return LogitFacts()
+
+
+@torch.no_grad()
+def _probe(model, out_cls) -> bool:
+    """Does the generic path give the original forward's logits on a few tokens (eval mode)?"""
+    from .config import LossConfig
+
+    if any(p.is_meta for p in model.parameters()):
+        raise unsupported(model, f"model type {model_type(model)!r} is not in the family table and its weights "
+                                 "are on the meta device, so the generic forward cannot be verified")
+    sig = mirrored_signature(type(model))
+    state = PatchState(LossConfig(), LogitFacts(), out_cls, sig, _positional(sig), "forward", ABSENT, ABSENT)
+    was_training = model.training
+    model.eval()
+    try:
+        ids = probe_inputs(model)
+        reference = type(model).forward(model, input_ids=ids, use_cache=False).logits
+        ours = generic_forward(model, state, input_ids=ids, use_cache=False).logits
+        return reference.shape == ours.shape and torch.allclose(reference.float(), ours.float(), rtol=1e-4, atol=1e-5)
+    except Exception:  # noqa: BLE001 - any failure means the generic path does not fit
+        return False
+    finally:
+        model.train(was_training)

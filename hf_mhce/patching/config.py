@@ -1,0 +1,127 @@
+"""The loss configuration a patched model carries, and the rules for changing it.
+
+``LossConfig`` is recorded in ``model.config.hf_mhce`` (``CONFIG_KEY``) as a plain dict, so that
+``save_pretrained`` writes it into config.json and any ``from_pretrained`` reads it back.  The
+fields ``loss`` and ``num_heads`` define what the model's logits *mean* (softmax over W x, or the
+log-probabilities of a mixture of ``num_heads`` softmaxes), so a recorded value of either can only
+be changed deliberately (``override_saved=True``); every other field is a training option that a
+later ``apply_patch`` call may update freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+CONFIG_KEY = "hf_mhce"
+LOSSES = ("ce", "mhce")
+CONFIG_FORMAT = 1
+
+# Fields that change the model's distribution: recorded values need override_saved to change.
+IDENTITY_FIELDS = ("loss", "num_heads")
+# Fields that depend on the machine, not the model: never written to config.json.
+RUNTIME_FIELDS = ("backend",)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Loss of a patched causal LM.
+
+    loss: "ce" (cross-entropy on W x) or "mhce" (multi-head cross-entropy: the hidden state is split
+        into ``num_heads`` contiguous slices, each with its own softmax; the model's distribution is
+        their uniform mixture, and its logits are that mixture's log-probabilities).
+    num_heads: number of MHCE heads; must divide the hidden size; 1 for "ce".
+    ignore_index: label value that is not a prediction target (HF default -100).
+    label_smoothing, z_loss: training regularisers passed to the fused loss.
+    return_logits: also compute logits when labels are given (default: logits are None then).
+    backend: kernel choice of the op layer ("auto", "triton", "torch"; None = environment default).
+    """
+
+    loss: str = "ce"
+    num_heads: int = 1
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    return_logits: bool = False
+    backend: str | None = None
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}: hf_mhce supports loss in {LOSSES}")
+        heads = self.num_heads
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {heads!r}")
+        if self.loss == "ce" and heads != 1:
+            raise ValueError(f"num_heads={heads} only applies to loss='mhce'; loss='ce' has a single head")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        if not 0.0 <= float(self.label_smoothing) <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        if not float(self.z_loss) >= 0.0:
+            raise ValueError(f"z_loss must be >= 0, got {self.z_loss}")
+        if not isinstance(self.return_logits, bool):
+            raise TypeError(f"return_logits must be a bool, got {self.return_logits!r}")
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise TypeError(f"backend must be a string or None, got {self.backend!r}")
+
+    def to_saved(self) -> dict:
+        """The dict stored under ``model.config.hf_mhce`` (JSON-serialisable)."""
+        saved = {k: v for k, v in dataclasses.asdict(self).items() if k not in RUNTIME_FIELDS}
+        return {"format": CONFIG_FORMAT, **saved}
+
+    @classmethod
+    def from_saved(cls, saved) -> LossConfig:
+        if not isinstance(saved, dict) or saved.get("loss") is None:
+            raise ValueError(f"model.config.{CONFIG_KEY} is not an hf_mhce loss config: {saved!r}")
+        known = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS)
+        return cls(**{k: v for k, v in saved.items() if k in known})
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name not in IDENTITY_FIELDS)
+
+
+def resolve_config(
+    saved: dict | None,
+    current: LossConfig | None,
+    loss: str | None,
+    num_heads: int | None,
+    options: dict,
+    override_saved: bool,
+) -> LossConfig:
+    """The config an ``apply_patch`` call asks for.
+
+    Starts from the instance's current config (a re-patch updates it), else the one recorded in
+    ``model.config``, else the defaults; ``loss``/``num_heads``/``options`` given explicitly replace
+    those fields.  Changing a recorded ``loss`` or ``num_heads`` raises unless ``override_saved``.
+    """
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown apply_patch option(s) {unknown}; valid options: {list(OPTION_NAMES)}")
+    if loss is not None and loss not in LOSSES:
+        raise ValueError(f"unknown loss {loss!r}: hf_mhce supports loss in {LOSSES}")
+    recorded = LossConfig.from_saved(saved) if saved is not None else None
+    base = current or recorded or LossConfig()
+    if current is not None and recorded is not None:
+        # backend is never recorded; everything else follows the (possibly edited) model.config.
+        base = dataclasses.replace(recorded, backend=current.backend)
+
+    new_loss = base.loss if loss is None else loss
+    if num_heads is None:
+        if new_loss == "ce":
+            num_heads = 1
+        elif base.loss == "mhce":
+            num_heads = base.num_heads
+        else:
+            raise ValueError("loss='mhce' needs num_heads (the number of heads; it must divide the hidden size)")
+    cfg = dataclasses.replace(base, loss=new_loss, num_heads=num_heads, **options)
+
+    if recorded is not None and not override_saved:
+        was = (recorded.loss, recorded.num_heads)
+        now = (cfg.loss, cfg.num_heads)
+        if was != now:
+            raise ValueError(
+                f"this model's config records {CONFIG_KEY}: loss={was[0]!r}, num_heads={was[1]} (its logits "
+                f"were trained to mean that distribution), but loss={now[0]!r}, num_heads={now[1]} was "
+                f"requested. Pass override_saved=True to apply_patch to change it deliberately."
+            )
+    return cfg

@@ -1,0 +1,141 @@
+"""Which causal LMs the generic forward serves, as data.
+
+The generic forward assumes the HF causal-LM shape
+    hidden = model.get_decoder()(...).last_hidden_state
+    logits = transform(model.get_output_embeddings()(hidden))
+where ``transform`` is the identity for most families.  The few families that scale or soft-cap
+their final logits say so through a config attribute; ``FAMILIES`` records which attribute, so the
+fused loss can fold it in (a scale into the hidden state, a soft-cap into the op).  A model type not
+in the table is accepted only if a one-off probe shows the generic path reproduces its logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
+
+
+class UnsupportedModelError(TypeError):
+    """The model cannot be served by the generic patched forward."""
+
+
+@dataclass(frozen=True)
+class LogitFacts:
+    """How a family turns ``lm_head(hidden)`` into its logits (all attributes of model.config)."""
+
+    multiply_attr: str | None = None  # logits * config.<attr>            (Cohere logit_scale)
+    divide_attr: str | None = None  # logits / config.<attr>              (Granite logits_scaling)
+    softcap_attr: str | None = None  # cap * tanh(logits / cap) if set    (Gemma-2/3)
+
+
+_PLAIN = LogitFacts()
+_SOFTCAP = LogitFacts(softcap_attr="final_logit_softcapping")
+
+# model_type -> facts.  Tested in tests/patching against the unpatched model.
+FAMILIES: dict[str, LogitFacts] = {
+    "llama": _PLAIN,
+    "mistral": _PLAIN,
+    "gpt2": _PLAIN,
+    "qwen2": _PLAIN,
+    "qwen3": _PLAIN,
+    "gemma": _PLAIN,
+    "phi3": _PLAIN,
+    "olmo2": _PLAIN,
+    "gpt_neox": _PLAIN,
+    "gemma2": _SOFTCAP,
+    "gemma3_text": _SOFTCAP,
+    "cohere": LogitFacts(multiply_attr="logit_scale"),
+    "cohere2": LogitFacts(multiply_attr="logit_scale"),
+    "granite": LogitFacts(divide_attr="logits_scaling"),
+}
+TESTED_FAMILIES = ("llama", "mistral", "gpt2")
+
+# Output fields the generic forward fills: loss and logits itself, the rest from the decoder.
+PASSTHROUGH_FIELDS = ("past_key_values", "hidden_states", "attentions", "cross_attentions")
+
+REQUIREMENT = (
+    "hf_mhce.apply_patch supports the families {tested} (tested end to end), {known} (family table, "
+    "checked against the unpatched model), and "
+    "any other causal LM whose forward is exactly `logits = model.get_output_embeddings()"
+    "(model.get_decoder()(...).last_hidden_state)`: an nn.Linear head (optionally wrapped by PEFT LoRA or "
+    "modules_to_save) applied to the decoder's last hidden state, returning a ModelOutput with only the "
+    "fields loss, logits, past_key_values, hidden_states, attentions, cross_attentions"
+)
+
+
+def requirement_text() -> str:
+    known = sorted(set(FAMILIES) - set(TESTED_FAMILIES))
+    return REQUIREMENT.format(tested=", ".join(TESTED_FAMILIES), known=", ".join(known))
+
+
+def unsupported(model: nn.Module, reason: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"cannot patch {type(model).__name__}: {reason}. {requirement_text()}.")
+
+
+def model_type(model: nn.Module) -> str | None:
+    return getattr(getattr(model, "config", None), "model_type", None)
+
+
+def logit_transform(model: nn.Module, facts: LogitFacts) -> tuple[float | None, float | None, float | None]:
+    """(multiplier, divisor, softcap) read from the model's config; None where absent."""
+    config = model.config
+
+    def read(attr):
+        value = getattr(config, attr, None) if attr else None
+        return None if value is None else float(value)
+
+    return read(facts.multiply_attr), read(facts.divide_attr), read(facts.softcap_attr)
+
+
+def output_type(model_class: type) -> type:
+    """The ModelOutput class the original forward returns (from its return annotation)."""
+    forward = model_class.forward
+    annotation = inspect.signature(forward).return_annotation
+    if isinstance(annotation, str):
+        try:
+            annotation = typing.get_type_hints(forward).get("return", annotation)
+        except Exception:  # unresolvable forward reference: fall back on the usual type
+            annotation = None
+    candidates = typing.get_args(annotation) or (annotation,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, ModelOutput):
+            return candidate
+    return CausalLMOutputWithPast
+
+
+def check_structure(model: nn.Module) -> tuple[type, nn.Module]:
+    """Checks of the generic requirement that need no forward pass; returns (output type, decoder)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise unsupported(model, "it is not a transformers PreTrainedModel (nor a PeftModel wrapping one)")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise unsupported(model, "encoder-decoder models are not causal LMs")
+    try:
+        decoder = model.get_decoder()
+    except Exception as err:  # noqa: BLE001 - some models raise for exotic layouts
+        raise unsupported(model, f"get_decoder() failed ({err})") from err
+    if not isinstance(decoder, nn.Module) or decoder is model:
+        raise unsupported(model, "get_decoder() does not return a decoder submodule")
+    if model.get_output_embeddings() is None:
+        raise unsupported(model, "get_output_embeddings() returns None (no LM head)")
+    out_cls = output_type(type(model))
+    names = {f.name for f in dataclasses.fields(out_cls)}
+    extra = sorted(names - {"loss", "logits", *PASSTHROUGH_FIELDS})
+    if "logits" not in names or extra:
+        raise unsupported(model, f"its output type {out_cls.__name__} has fields {extra} the generic forward cannot fill")
+    return out_cls, decoder
+
+
+def probe_inputs(model: nn.Module) -> torch.Tensor:
+    """A few token ids on the embedding's device, for the verification probe."""
+    embed = model.get_input_embeddings()
+    vocab = embed.weight.shape[0]
+    return (torch.arange(3, 9, device=embed.weight.device) % vocab).unsqueeze(0)

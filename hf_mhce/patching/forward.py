@@ -1,0 +1,158 @@
+"""The one generic forward every patched causal LM runs.
+
+    hidden = model.get_decoder()(**inputs).last_hidden_state
+    labels given  -> loss = fused op on the HF-shifted labels; logits None unless asked for
+    no labels     -> logits like HF (logits_to_keep honoured); for "mhce" the mixture log-probs
+
+The loss always covers every position (logits_to_keep only trims returned logits).  With
+return_dict=False the tuple leaves out None fields, as HF's does: (loss, past_key_values, ...).
+
+Everything model-specific is data: the original forward's signature (mirrored, so generate() and
+Trainer see the same parameters), its output type, and the family's logit facts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_utils import slice_logits_to_keep
+
+from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
+from .config import LossConfig
+from .families import LogitFacts, logit_transform
+from .head import effective_linear, resolve_head
+
+STATE_ATTR = "_hf_mhce_patch"
+# Keywords the CausalLM forward consumes itself and must not pass to the decoder.
+_LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+
+
+@dataclass
+class PatchState:
+    """Per-instance record of a patch (stored in the instance's __dict__)."""
+
+    config: LossConfig
+    facts: LogitFacts
+    output_cls: type
+    signature: inspect.Signature  # mirrored original signature, without self
+    positional: tuple[str, ...]  # names that positional arguments bind to
+    attr: str  # "forward", or "_old_forward" under an accelerate hook
+    original: object  # the instance attribute we replaced, or _ABSENT
+    original_config: object  # model.config.hf_mhce before the first patch, or _ABSENT
+
+
+class _Absent:
+    def __repr__(self):
+        return "<absent>"
+
+
+ABSENT = _Absent()
+
+
+def mirrored_signature(model_class: type) -> inspect.Signature:
+    """The original forward's signature plus ``return_logits`` (and ``**kwargs`` if it had none)."""
+    sig = inspect.signature(model_class.forward)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    var_kw = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    if "return_logits" not in sig.parameters:
+        params.append(inspect.Parameter("return_logits", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation="bool | None"))
+    params += var_kw or [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+    return sig.replace(parameters=params)
+
+
+def make_forward(signature: inspect.Signature, model_class: type):
+    """A forward function carrying ``signature`` (generation and Trainer inspect it)."""
+
+    def forward(self, *args, **kwargs):
+        return generic_forward(self, self.__dict__[STATE_ATTR], *args, **kwargs)
+
+    forward.__signature__ = signature
+    forward.__name__ = "forward"
+    forward.__qualname__ = f"{model_class.__name__}.forward"
+    forward.__doc__ = (
+        f"{model_class.__name__}.forward patched by hf_mhce: fused loss when labels are given (logits None "
+        "unless return_logits=True), logits (for 'mhce': mixture log-probs) otherwise."
+    )
+    forward.hf_mhce_patched = True
+    return forward
+
+
+def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
+    if len(args) > len(state.positional):
+        raise TypeError(f"forward() takes {len(state.positional)} positional arguments but {len(args)} were given")
+    for name, value in zip(state.positional, args):
+        if name in kwargs:
+            raise TypeError(f"forward() got multiple values for argument {name!r}")
+        kwargs[name] = value
+    cfg = state.config
+
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:  # as transformers' can_return_tuple
+        return_dict = getattr(model.config, "return_dict", True)
+    labels = kwargs.pop("labels", None)
+    logits_to_keep = kwargs.pop("logits_to_keep", 0)
+    want_logits = kwargs.pop("return_logits", None)
+    skip_logits = kwargs.pop("skip_logits", None)  # the Liger/Trainer spelling of the same wish
+    if want_logits is None:
+        want_logits = cfg.return_logits if skip_logits is None else not skip_logits
+    loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
+
+    outputs = model.get_decoder()(**kwargs)
+    hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
+
+    loss = logits = None
+    if labels is not None or loss_kwargs.get("shift_labels") is not None:
+        loss = _loss(model, state, hidden, labels, **loss_kwargs)
+    if loss is None or want_logits:
+        logits = _logits(model, state, slice_logits_to_keep(hidden, logits_to_keep))
+
+    passthrough = {}
+    if not isinstance(outputs, tuple):
+        passthrough = {k: getattr(outputs, k, None) for k in state.output_cls.__dataclass_fields__
+                       if k not in ("loss", "logits")}
+    result = state.output_cls(loss=loss, logits=logits, **passthrough)
+    return result if return_dict else result.to_tuple()
+
+
+def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=None, ignore_index=None):
+    """HF's ForCausalLMLoss semantics, computed by the fused op (no [N, V] logits)."""
+    cfg = state.config
+    ignore_index = cfg.ignore_index if ignore_index is None else ignore_index
+    if shift_labels is None:  # tokens < n predict n; the last position predicts nothing
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(hidden.device)
+    multiply, divide, softcap = logit_transform(model, state.facts)
+    scale = (multiply or 1.0) / (divide or 1.0)
+    parts = resolve_head(model.get_output_embeddings())
+    x, w, b = effective_linear(parts, hidden, cfg.num_heads, scale)
+    options = dict(bias=b, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
+                   label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, softcap=softcap, backend=cfg.backend)
+    if cfg.loss == "mhce":
+        return multi_head_cross_entropy(x, w, shift_labels, cfg.num_heads, **options)
+    return linear_cross_entropy(x, w, shift_labels, **options)
+
+
+def _logits(model, state, hidden):
+    """Logits exactly as the unpatched model ("ce"), or the mixture's log-probs ("mhce")."""
+    cfg = state.config
+    multiply, divide, softcap = logit_transform(model, state.facts)
+    head = model.get_output_embeddings()
+    if cfg.loss == "mhce":
+        scale = (multiply or 1.0) / (divide or 1.0)
+        x, w, b = effective_linear(resolve_head(head), hidden, cfg.num_heads, scale)
+        return multi_head_logprobs(x, w, cfg.num_heads, bias=b, softcap=softcap, backend=cfg.backend)
+    logits = head(hidden)  # the module itself: every PEFT wrapper behaves as in the original
+    if multiply is not None:
+        logits = logits * multiply
+    if divide is not None:
+        logits = logits / divide
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits

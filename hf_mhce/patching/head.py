@@ -1,0 +1,136 @@
+"""The LM head as one linear map the fused ops can take, PEFT wrappers included.
+
+The ops read ``weight`` as a tensor, so a module wrapper around the head would be bypassed
+silently (the peer bug: LoRA on lm_head ignored).  Here the head module is resolved into its base
+weight/bias plus the active LoRA adapters, and LoRA is folded in *exactly* by widening the inner
+dimension:
+
+    W x + s B A drop(x) = [W, sB] . [x, A drop(x)]
+
+For MHCE the hidden state is cut into H slices and head h uses only W_h x_h, so the widening is done
+per head: slice h of the new input is [x_h, A_h drop(x)_h] and of the new weight [W_h, sB].  Head h
+then sees the logits of its slice of the effective weight W + sBA, the gradient reaches W, A and B
+through autograd, and H = 1 is plain LoRA.  LoRA dropout is applied exactly once to the head input,
+as PEFT does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # peft is a dependency, but the head logic must not fail where it is absent
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+except ImportError:  # pragma: no cover
+    LoraLayer = BaseTunerLayer = AuxiliaryTrainingWrapper = ModulesToSaveWrapper = ()
+
+
+class UnsupportedHeadError(TypeError):
+    """The LM head is a module type whose linear map cannot be handed to the fused ops."""
+
+
+@dataclass
+class Adapter:
+    """One active LoRA adapter on the head: adds scaling * B(A(dropout(x)))."""
+
+    lora_a: nn.Linear
+    lora_b: nn.Linear
+    dropout: nn.Module
+    scaling: float
+
+
+@dataclass
+class HeadParts:
+    weight: torch.Tensor  # [V, D]
+    bias: torch.Tensor | None  # [V]
+    adapters: list[Adapter] = field(default_factory=list)
+
+
+def resolve_head(head: nn.Module) -> HeadParts:
+    """Base weight, bias and active LoRA adapters of the head module, following PEFT's forward."""
+    if ModulesToSaveWrapper and isinstance(head, ModulesToSaveWrapper):
+        # PEFT trains a copy; the original is used only while adapters are disabled.
+        if head.disable_adapters or not head.active_adapters:
+            return resolve_head(head.original_module)
+        return resolve_head(head.modules_to_save[head.active_adapters[0]])
+    if LoraLayer and isinstance(head, LoraLayer) and hasattr(head, "lora_A"):
+        return _resolve_lora(head)
+    if BaseTunerLayer and isinstance(head, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+        raise UnsupportedHeadError(
+            f"the LM head is wrapped by {type(head).__name__}; with the fused loss only LoRA (without "
+            "variants such as DoRA) and modules_to_save are supported on the head"
+        )
+    if isinstance(head, nn.Linear) and head.weight.dim() == 2:
+        return HeadParts(head.weight, head.bias)
+    raise UnsupportedHeadError(
+        f"the LM head is a {type(head).__name__}, not an nn.Linear (or a PEFT LoRA / modules_to_save "
+        "wrapper around one)"
+    )
+
+
+def _resolve_lora(layer) -> HeadParts:
+    if layer.disable_adapters and layer.merged:
+        layer.unmerge()  # what PEFT's forward does before running the base layer alone
+    parts = resolve_head(layer.base_layer)
+    if layer.disable_adapters or layer.merged:
+        return parts
+    if getattr(layer, "fan_in_fan_out", False):
+        raise UnsupportedHeadError("LoRA with fan_in_fan_out=True (Conv1D heads) is not supported on the LM head")
+    adapters = list(parts.adapters)
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        if name in getattr(layer, "lora_variant", {}):
+            variant = type(layer.lora_variant[name]).__name__
+            raise UnsupportedHeadError(
+                f"LoRA adapter {name!r} on the LM head uses the variant {variant} (e.g. DoRA); the fused loss "
+                "folds in plain LoRA only. Merge the adapter, or leave lm_head out of target_modules"
+            )
+        adapters.append(Adapter(layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name], layer.scaling[name]))
+    return HeadParts(parts.weight, parts.bias, adapters)
+
+
+def effective_linear(
+    parts: HeadParts, hidden: torch.Tensor, num_heads: int, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(hidden', weight', bias') with logits = hidden' weight'^T + bias' = scale * head(hidden), and
+    the per-head slicing of hidden' / weight' matching the slicing of hidden / weight."""
+    weight, bias = parts.weight, parts.bias
+    if parts.adapters:
+        hidden, weight, bias = _fold_lora(parts, hidden, num_heads)
+    if bias is not None:
+        bias = bias.to(weight.dtype)
+    if scale is not None and scale != 1.0:
+        # s * (W x + b) = W (s x) + s b: scaling the [N, D] side avoids a [V, D] copy.
+        hidden = hidden * scale
+        bias = bias * scale if bias is not None else None
+    return hidden, weight, bias
+
+
+def _fold_lora(parts: HeadParts, hidden: torch.Tensor, num_heads: int):
+    d = parts.weight.shape[1]
+    v, dh = parts.weight.shape[0], d // num_heads
+    x_pieces = [hidden.unflatten(-1, (num_heads, dh))]
+    w_pieces = [parts.weight.unflatten(-1, (num_heads, dh))]
+    bias = parts.bias
+    for ad in parts.adapters:
+        a = ad.lora_a.weight  # [r, D]
+        x = ad.dropout(hidden.to(a.dtype))
+        if num_heads == 1:
+            u = F.linear(x, a).unsqueeze(-2)
+        else:  # u[..., h, :] = A[:, slice h] x[slice h]
+            u = torch.einsum("...hd,rhd->...hr", x.unflatten(-1, (num_heads, dh)), a.unflatten(-1, (num_heads, dh)))
+        x_pieces.append(u.to(hidden.dtype))
+        sb = (ad.lora_b.weight * ad.scaling).to(parts.weight.dtype)  # [V, r]
+        w_pieces.append(sb.unsqueeze(1).expand(v, num_heads, sb.shape[1]))
+        if ad.lora_b.bias is not None:
+            extra = (ad.lora_b.bias * ad.scaling).to(parts.weight.dtype)
+            bias = extra if bias is None else bias + extra
+    hidden2 = torch.cat(x_pieces, dim=-1).flatten(-2)
+    weight2 = torch.cat(w_pieces, dim=-1).flatten(-2)
+    return hidden2, weight2, bias

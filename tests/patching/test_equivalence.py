@@ -1,0 +1,150 @@
+"""loss="ce": the patched model is the unpatched model (loss, every gradient, logits, generation)."""
+
+import inspect
+
+import pytest
+import torch
+from patching_models import FAMILIES, assert_grads_close, batch, grads, make_model, twin
+from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions, CausalLMOutputWithPast
+
+import hf_mhce
+from hf_mhce.patching import apply_patch, is_patched, unpatch
+
+CASES = [(f, False) for f in FAMILIES] + [("llama", True)]
+
+
+def _loss_and_grads(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    return out, grads(model)
+
+
+@pytest.mark.parametrize("family,tied", CASES, ids=[f + ("-tied" if t else "") for f, t in CASES])
+def test_loss_and_all_gradients_match(family, tied):
+    ref = make_model(family, tied=tied)
+    model = apply_patch(twin(ref), loss="ce")
+    ids, labels = batch()
+    ref_out, ref_grads = _loss_and_grads(ref, input_ids=ids, labels=labels)
+    out, got = _loss_and_grads(model, input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=0)
+    assert out.logits is None
+    assert_grads_close(ref_grads, got)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_tied_head_gets_one_gradient(family):
+    ref = make_model(family, tied=True)
+    model = apply_patch(twin(ref))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    ids, labels = batch()
+    _, ref_grads = _loss_and_grads(ref, input_ids=ids, labels=labels)
+    _, got = _loss_and_grads(model, input_ids=ids, labels=labels)
+    # named_parameters lists the shared weight once; its gradient holds both uses, counted once
+    shared = [n for n in got if "wte" in n or "embed_tokens" in n]
+    assert len(shared) == 1 and not any("lm_head" in n for n in got)
+    assert_grads_close(ref_grads, got)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_num_items_in_batch_and_shift_labels(family):
+    ref = make_model(family)
+    model = apply_patch(twin(ref))
+    ids, labels = batch()
+    n = torch.tensor(7)
+    a = ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    b = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    c = model(input_ids=ids, shift_labels=shift).loss  # shift_labels alone asks for the loss
+    torch.testing.assert_close(c, ref(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=0)
+    custom = labels.masked_fill(labels == -100, 5)
+    d = model(input_ids=ids, labels=custom, ignore_index=5).loss
+    e = ref(input_ids=ids, labels=custom, ignore_index=5).loss
+    torch.testing.assert_close(d, e, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_outputs_and_signature(family):
+    ref = make_model(family).eval()
+    model = apply_patch(twin(ref))
+    ids, labels = batch()
+    expected_type = CausalLMOutputWithCrossAttentions if family == "gpt2" else CausalLMOutputWithPast
+    with torch.no_grad():
+        r = ref(input_ids=ids, output_hidden_states=True, output_attentions=True)
+        o = model(input_ids=ids, output_hidden_states=True, output_attentions=True)
+        assert type(o) is expected_type
+        torch.testing.assert_close(o.logits, r.logits, rtol=0, atol=0)
+        assert len(o.hidden_states) == len(r.hidden_states) and len(o.attentions) == len(r.attentions)
+        assert o.past_key_values is not None
+        # logits_to_keep as generate() uses it
+        torch.testing.assert_close(model(ids, logits_to_keep=1).logits, ref(ids, logits_to_keep=1).logits)
+        # asked-for logits next to the fused loss; tuples as with return_dict=False
+        both = model(input_ids=ids, labels=labels, return_logits=True)
+        torch.testing.assert_close(both.logits, r.logits)
+        torch.testing.assert_close(both.loss, ref(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=0)
+        as_tuple = model(ids, return_dict=False, use_cache=False)
+        torch.testing.assert_close(as_tuple[0], r.logits)
+    # generate() and Trainer read the signature: the original parameters are all there
+    original = set(inspect.signature(type(ref).forward).parameters) - {"self"}
+    assert original <= set(inspect.signature(model.forward).parameters)
+    assert model._supports_logits_to_keep()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_identical(family):
+    ref = make_model(family).eval()
+    model = apply_patch(twin(ref))
+    ids, _ = batch(seq=5)
+    mask = torch.ones_like(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+
+
+def test_per_instance_idempotent_and_unpatch_exact():
+    a, b = make_model("llama"), make_model("llama")
+    assert apply_patch(a) is a
+    assert is_patched(a) and not is_patched(b)
+    assert "forward" not in b.__dict__ and b.forward.__func__ is type(b).forward
+    patched_forward = a.forward
+    apply_patch(a, label_smoothing=0.1)  # re-patch: options updated, the forward is not re-wrapped
+    assert a.forward is patched_forward and a.config.hf_mhce["label_smoothing"] == 0.1
+    apply_patch(a)  # no arguments: keeps the current options
+    assert a.config.hf_mhce["label_smoothing"] == 0.1
+    unpatch(a)
+    assert "forward" not in a.__dict__ and a.forward.__func__ is type(a).forward
+    assert not hasattr(a.config, "hf_mhce") and not is_patched(a)
+    unpatch(a)  # no-op on an unpatched model
+
+
+def test_accelerate_hook_kept():
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+
+    ref = make_model("llama").eval()
+    model = twin(ref)
+    add_hook_to_module(model, AlignDevicesHook(io_same_device=True))
+    hooked = model.forward
+    apply_patch(model)
+    assert model.forward is hooked  # the hook stays outermost; we replaced what it calls
+    ids, labels = batch()
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss)
+    unpatch(model)
+    assert model._old_forward.__func__ is type(model).forward  # what the hook calls is the original again
+    remove_hook_from_module(model)
+
+
+def test_top_level_exports():
+    assert hf_mhce.apply_patch is apply_patch and hf_mhce.unpatch is unpatch
+    assert callable(hf_mhce.from_pretrained)
+
+
+def test_all_ignored_batch_is_finite():
+    # HF's mean over zero targets is 0/0 = NaN; the fused loss gives 0 and zero gradients instead
+    model = apply_patch(make_model("llama"))
+    ids, _ = batch()
+    loss = model(input_ids=ids, labels=torch.full_like(ids, -100)).loss
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    as_tuple = model(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
+    assert len(as_tuple) == 1 and as_tuple[0].dim() == 0  # (loss,): logits None are left out, as in HF

@@ -1,0 +1,91 @@
+"""Clear errors, and no [N, V] logits when a loss is asked for."""
+
+import pytest
+import torch
+from patching_models import batch, make_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import BertConfig, BertForMaskedLM, BertModel, MixtralConfig, MixtralForCausalLM
+
+from hf_mhce.patching import LossConfig, UnsupportedModelError, apply_patch
+
+
+def test_unknown_loss_and_options():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match=r"unknown loss 'focal'.*\('ce', 'mhce'\)"):
+        apply_patch(model, loss="focal")
+    with pytest.raises(TypeError, match="unknown apply_patch option.*label_smothing"):
+        apply_patch(model, label_smothing=0.1)
+    with pytest.raises(ValueError, match="needs num_heads"):
+        apply_patch(model, loss="mhce")
+    with pytest.raises(ValueError, match="only applies to loss='mhce'"):
+        apply_patch(model, loss="ce", num_heads=4)
+    with pytest.raises(ValueError, match="positive int"):
+        apply_patch(model, loss="mhce", num_heads=0)
+    assert "forward" not in model.__dict__ and not hasattr(model.config, "hf_mhce")  # nothing half-done
+
+
+def test_num_heads_must_divide_hidden_size():
+    with pytest.raises(ValueError, match="num_heads=5 does not divide the hidden size 32"):
+        apply_patch(make_model("llama"), loss="mhce", num_heads=5)
+
+
+def test_unsupported_models_name_the_requirement():
+    tiny = dict(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    cases = [
+        (BertForMaskedLM(BertConfig(**tiny)), "does not reproduce its logits"),  # transform before the head
+        (BertModel(BertConfig(**tiny)), "get_decoder|LM head|get_output_embeddings"),
+        (MixtralForCausalLM(MixtralConfig(num_local_experts=2, num_experts_per_tok=1, num_key_value_heads=2, **tiny)),
+         r"fields \['aux_loss', 'router_logits'\]"),
+        (torch.nn.Linear(4, 4), "not a transformers PreTrainedModel"),
+    ]
+    for model, reason in cases:
+        with pytest.raises(UnsupportedModelError, match=reason) as info:
+            apply_patch(model)
+        msg = str(info.value)
+        assert "llama, mistral, gpt2" in msg and "get_output_embeddings" in msg and "get_decoder" in msg
+
+
+def test_config_dataclass_round_trip():
+    cfg = LossConfig(loss="mhce", num_heads=4, z_loss=1e-4, backend="torch")
+    saved = cfg.to_saved()
+    assert "backend" not in saved and saved["format"] == 1
+    assert LossConfig.from_saved(saved) == LossConfig(loss="mhce", num_heads=4, z_loss=1e-4)
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any aten op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("loss", ["ce", "mhce"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_no_full_logits_in_eval_with_labels(family, loss, monkeypatch):
+    vocab = 512
+    model = apply_patch(make_model(family, vocab=vocab), loss=loss, num_heads=4 if loss == "mhce" else None).eval()
+    ids, labels = batch(batch_size=2, seq=40, vocab=vocab)
+    n_tokens = ids.numel()
+
+    def no_head_call(*_):
+        raise AssertionError("the LM head module was called")
+
+    model.get_output_embeddings().register_forward_pre_hook(no_head_call)
+    monkeypatch.setenv("HF_MHCE_CHUNK_MB", "0.05")  # the op's blocks stay well below [N, V]
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), _LargestOutput() as mode:
+            out = model(input_ids=ids, labels=labels)
+            if grad:
+                out.loss.backward()
+        assert out.logits is None
+        # the head weight [V, D] and its gradient are the largest tensors (N = 80 > D): never [N, V]
+        assert mode.largest <= vocab * model.config.hidden_size
+        assert mode.largest < n_tokens * vocab

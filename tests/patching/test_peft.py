@@ -1,0 +1,122 @@
+"""PEFT: LoRA on attention/MLP, LoRA on lm_head (exact A/B gradients), modules_to_save."""
+
+import pytest
+import torch
+from patching_models import assert_grads_close, batch, grads, make_model, mixture_logprobs_reference
+from peft import LoraConfig, get_peft_model
+
+from hf_mhce.patching import UnsupportedModelError, apply_patch, is_patched, unpatch
+
+LLAMA_TARGETS = ["q_proj", "v_proj", "gate_proj"]
+
+
+def _lora(model, targets, **kw):
+    torch.manual_seed(1)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=kw.pop("lora_dropout", 0.0), **kw)
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():  # non-zero B, so that every LoRA factor gets a non-trivial gradient
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return peft_model
+
+
+def _step(model, ids, labels, seed=0):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # same dropout masks in both models
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+@pytest.mark.parametrize("order", ["patch-then-peft", "peft-then-patch"])
+@pytest.mark.parametrize("family,targets", [("llama", LLAMA_TARGETS), ("gpt2", ["c_attn"])])
+def test_lora_attention(order, family, targets):
+    kw = {"fan_in_fan_out": True} if family == "gpt2" else {}
+    ref = _lora(make_model(family), targets, **kw)
+    if order == "patch-then-peft":
+        model = _lora(apply_patch(make_model(family)), targets, **kw)
+    else:
+        model = apply_patch(_lora(make_model(family), targets, **kw))
+    assert is_patched(model)
+    ids, labels = batch()
+    ref_loss, ref_grads = _step(ref, ids, labels)
+    loss, got = _step(model, ids, labels)
+    assert any("lora_A" in n for n in got) and not any("q_proj.base_layer" in n for n in got)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert_grads_close(ref_grads, got)
+    unpatch(model)
+    assert not is_patched(model)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("order", ["patch-then-peft", "peft-then-patch"])
+def test_lora_on_lm_head_exact_gradients(order, dropout):
+    targets = ["q_proj", "lm_head"]
+    ref = _lora(make_model("llama"), targets, lora_dropout=dropout, lora_bias=False)
+    if order == "patch-then-peft":
+        model = _lora(apply_patch(make_model("llama")), targets, lora_dropout=dropout)
+    else:
+        model = apply_patch(_lora(make_model("llama"), targets, lora_dropout=dropout))
+    ids, labels = batch()
+    ref_loss, ref_grads = _step(ref, ids, labels)
+    loss, got = _step(model, ids, labels)
+    head = [n for n in got if "lm_head.lora" in n]
+    assert len(head) == 2  # A and B of the head adapter are trained...
+    assert all(got[n].abs().sum() > 0 for n in head)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert_grads_close(ref_grads, got)  # ...with exactly the unpatched model's gradients
+    with torch.no_grad():
+        model.eval(), ref.eval()
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_lora_on_lm_head_with_mhce_and_disabled_adapter():
+    model = apply_patch(_lora(make_model("llama"), ["lm_head"]), loss="mhce", num_heads=4)
+    ids, labels = batch()
+    head = model.get_base_model().lm_head
+    eff = head.base_layer.weight + head.scaling["default"] * head.lora_B["default"].weight @ head.lora_A["default"].weight
+    hidden = model.get_base_model().get_decoder()(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(model(input_ids=ids).logits.double(), mixture_logprobs_reference(hidden, eff, 4),
+                               rtol=1e-5, atol=1e-5)
+    loss = model(input_ids=ids, labels=labels).loss
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    valid = shift != -100
+    ref = -mixture_logprobs_reference(hidden, eff, 4)[valid].gather(-1, shift[valid, None]).mean()
+    lora = [head.lora_A["default"].weight, head.lora_B["default"].weight]
+    got, want = torch.autograd.grad(loss, lora), torch.autograd.grad(ref, lora)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-7)
+    with model.disable_adapter():  # the base head alone
+        hidden = hidden.detach()
+        torch.testing.assert_close(model(input_ids=ids).logits.double(),
+                                   mixture_logprobs_reference(hidden, head.base_layer.weight, 4), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_lm_head_in_modules_to_save(tied):
+    def build(patch):
+        m = make_model("llama", tied=tied)
+        m = apply_patch(m) if patch else m
+        return get_peft_model(m, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+
+    ref, model = build(False), build(True)
+    ids, labels = batch()
+    ref_loss, ref_grads = _step(ref, ids, labels)
+    loss, got = _step(model, ids, labels)
+    trained = [n for n in got if "lm_head" in n]
+    assert trained and all("modules_to_save" in n for n in trained)  # the trainable copy
+    assert model.get_base_model().lm_head.original_module.weight.grad is None or tied
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert_grads_close(ref_grads, got)
+
+
+def test_peft_generate_and_unsupported_head_variant():
+    ref = _lora(make_model("llama"), ["q_proj", "lm_head"]).eval()
+    model = apply_patch(_lora(make_model("llama"), ["q_proj", "lm_head"])).eval()
+    ids, _ = batch(seq=5)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(input_ids=ids, **kw), ref.generate(input_ids=ids, **kw))
+    dora = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))
+    with pytest.raises(UnsupportedModelError, match="DoRA"):
+        apply_patch(dora)
