@@ -11,12 +11,13 @@ from .functions import MixtureLogprobs, MultiHeadTokenLoss
 
 def _autocast(hidden, weight, bias):
     """Cast like nn.Linear under torch.autocast: to the autocast dtype (differentiably)."""
+    tensors = (hidden, weight) + ((bias,) if bias is not None else ())
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+        return hidden, weight, bias  # let the checks name the problem
     device_type = hidden.device.type
     if not torch.is_autocast_enabled(device_type):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(device_type)
-    if not (hidden.is_floating_point() and weight.is_floating_point()):
-        return hidden, weight, bias  # let the checks name the problem
     return hidden.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
 
 
@@ -76,10 +77,10 @@ def multi_head_cross_entropy(
     backend: "auto" (Triton on CUDA, chunked torch elsewhere), "triton" or "torch"; defaults to
     the environment variable ``HF_MHCE_BACKEND``.
     """
+    hidden, weight, bias = _autocast(hidden, weight, bias)  # first: autocast admits mixed dtypes
     checks.check_matrices(hidden, weight, bias)
     checks.check_heads(num_heads, weight.shape[1])
     checks.check_options(reduction, label_smoothing, z_loss, softcap, num_items_in_batch)
-    hidden, weight, bias = _autocast(hidden, weight, bias)
     inputs = checks.prepare(hidden, weight, bias, labels, ignore_index)
     ops = dispatch.resolve(backend, hidden.device, hidden.dtype)
     losses = MultiHeadTokenLoss.apply(
@@ -122,20 +123,17 @@ def multi_head_logprobs(
     *,
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
-    backend: str | None = None,
 ) -> torch.Tensor:
     """log pbar [..., V]: the mixture's normalised log-probabilities, float32 (float64 inputs: float64).
 
     With ``num_heads=1`` this is ``log_softmax(softcap(hidden @ weight.T + bias))``.  Computed in
     vocabulary/token blocks (never an [N, H, V] tensor); differentiable.  The output is [N, V] by
-    nature, so every backend computes it with the blocked torch sweeps (cuBLAS on GPU);
-    ``backend`` is validated for symmetry with the losses.
+    nature, so every device computes it with the blocked torch sweeps (cuBLAS matmuls on GPU).
     """
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     checks.check_matrices(hidden, weight, bias)
     checks.check_heads(num_heads, weight.shape[1])
     checks.check_options("mean", 0.0, 0.0, softcap, None)
-    dispatch.resolve(backend, hidden.device, hidden.dtype)
-    hidden, weight, bias = _autocast(hidden, weight, bias)
     lead = hidden.shape[:-1]
     flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     out = MixtureLogprobs.apply(

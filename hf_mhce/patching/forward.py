@@ -147,7 +147,7 @@ def _logits(model, state, hidden):
     if cfg.loss == "mhce":
         scale = (multiply or 1.0) / (divide or 1.0)
         x, w, b = effective_linear(resolve_head(head), hidden, cfg.num_heads, scale)
-        return multi_head_logprobs(x, w, cfg.num_heads, bias=b, softcap=softcap, backend=cfg.backend)
+        return multi_head_logprobs(x, w, cfg.num_heads, bias=b, softcap=softcap)
     logits = head(hidden)  # the module itself: every PEFT wrapper behaves as in the original
     if multiply is not None:
         logits = logits * multiply
