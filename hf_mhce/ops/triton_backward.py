@@ -1,12 +1,16 @@
 """Triton backward sweep: recompute each logits tile, form the gradient of the mixture loss and
 accumulate dX = dY W and dW = dY^T X with float32 atomics.
 
-Grid: (token blocks, vocabulary blocks, heads).  dY for a tile is
-alpha * softmax - beta * onehot(target) - gamma (see ``mixture.grad_coefficients``), times the
-softcap derivative.  dX accumulates in a float32 [N, D] buffer.  dW accumulates in float32 too:
-directly in dW for float32 weights; for 16-bit weights in a float32 workspace of at most
-``HF_MHCE_WORKSPACE_MB`` (default 512 MB) that covers a range of vocabulary rows per launch and is
-then rounded once into dW -- never a 16-bit accumulation across tiles.
+Grid: (token blocks, vocabulary blocks, heads) over a range of tokens and a range of vocabulary
+rows.  dY for a tile is alpha * softmax - beta * onehot(target) - gamma (see
+``mixture.grad_coefficients``), times the softcap derivative.
+
+Both gradients accumulate in float32, never in 16-bit across tiles.  For float32 inputs dX and dW
+are themselves the accumulators (one launch).  For 16-bit inputs the float32 scratch is bounded by
+``HF_MHCE_WORKSPACE_MB`` (default 512): if a float32 dX fits beside a slice of dW rows, one fused
+pass runs over vocabulary ranges, each range's dW rounded once; otherwise the backward splits
+into a dW pass over vocabulary ranges and a dX pass over token ranges (one extra recompute of the
+logits, in exchange for bounded memory).
 """
 
 from __future__ import annotations
@@ -36,16 +40,16 @@ def workspace_bytes() -> int:
 @triton.jit
 def _backward_kernel(
     X, W, B, Labels, Lse, Alpha, Beta, Gamma, DX, DW, DB,
-    N, v_start, v_end, Dh, stride_x, stride_w, stride_dx, stride_dw, softcap,
+    n_start, n_end, v_start, v_end, Dh, stride_x, stride_w, stride_dx, stride_dw, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     head = tl.program_id(2).to(tl.int64)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = n_start + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = v_start + tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
-    row_mask = rows < N
+    row_mask = rows < n_end
     col_mask = cols < v_end
     labels = tl.load(Labels + rows, mask=row_mask, other=-1)
     row_valid = labels >= 0  # the caller encodes ignored tokens as -1
@@ -75,7 +79,7 @@ def _backward_kernel(
                 w = tl.load(W + cols[:, None] * stride_w + ks[None, :],
                             mask=col_mask[:, None] & k_mask[None, :], other=0.0)
                 dx = dot(dy_in, w, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), DOT_UPCAST, PRECISION)
-                tl.atomic_add(DX + rows[:, None] * stride_dx + ks[None, :], dx,
+                tl.atomic_add(DX + (rows - n_start)[:, None] * stride_dx + ks[None, :], dx,
                               mask=row_mask[:, None] & k_mask[None, :])
             if NEED_DW:
                 x = tl.load(X + rows[:, None] * stride_x + ks[None, :],
@@ -90,35 +94,73 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
     """Triton counterpart of ``torch_sweep.backward`` (labels: -1 marks ignored tokens)."""
     n, d = x.shape
     v = w.shape[0]
-    dh = d // num_heads
     need_dx, need_dw, need_db = needs
     dev = x.device
-    dx = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
+    cfg = block_sizes(x.dtype, d // num_heads)
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
-    cfg = block_sizes(x.dtype, dh)
-    if need_dw and w.dtype != torch.float32:
-        dw = torch.empty_like(w)
-        rows_per_launch = max(cfg["BLOCK_V"], workspace_bytes() // (d * 4) // cfg["BLOCK_V"] * cfg["BLOCK_V"])
-        workspace = torch.empty(min(v, rows_per_launch), d, dtype=torch.float32, device=dev)
-    else:
+    launch = _Launcher(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, cfg, db)
+
+    if x.dtype == torch.float32:  # outputs are float32 already: they are the accumulators
+        dx = torch.zeros_like(x) if need_dx else None
         dw = torch.zeros_like(w) if need_dw else None
-        rows_per_launch, workspace = v, dw
-    dummy = lse
-    for v0 in range(0, v, rows_per_launch):
-        v1 = min(v, v0 + rows_per_launch)
-        if need_dw and workspace is not dw:
-            workspace.zero_()
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(v1 - v0, cfg["BLOCK_V"]), num_heads)
+        launch((0, n), (0, v), dx, dw, need_db)
+        return dx, dw, (db.to(bias.dtype) if need_db else None)
+
+    budget = workspace_bytes()
+    row_bytes = d * 4
+    dx = torch.empty_like(x) if need_dx else None
+    dw = torch.empty_like(w) if need_dw else None
+    fused = need_dx and need_dw and n * row_bytes + cfg["BLOCK_V"] * row_bytes <= budget
+    if fused or not need_dw:  # one pass: float32 dX for all tokens (+ dW by vocabulary range)
+        dx32 = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
+        left = budget - (n * row_bytes if need_dx else 0)
+        for v0, v1, ws in _ranges(v, left // row_bytes, cfg["BLOCK_V"], d, dev, need_dw):
+            launch((0, n), (v0, v1), dx32, ws, need_db)
+            if need_dw:
+                dw[v0:v1] = ws[: v1 - v0]
+        if need_dx:
+            dx.copy_(dx32)
+    else:  # bounded memory: a dW pass over vocabulary ranges, then a dX pass over token ranges
+        for v0, v1, ws in _ranges(v, budget // row_bytes, cfg["BLOCK_V"], d, dev, True):
+            launch((0, n), (v0, v1), None, ws, need_db)
+            dw[v0:v1] = ws[: v1 - v0]
+        if need_dx:
+            for n0, n1, ws in _ranges(n, budget // row_bytes, cfg["BLOCK_N"], d, dev, True):
+                launch((n0, n1), (0, v), ws, None, False)  # dB came with the dW pass
+                dx[n0:n1] = ws[: n1 - n0]
+    return dx, dw, (db.to(bias.dtype) if db is not None else None)
+
+
+def _ranges(total, rows_fit, multiple, d, device, need_workspace):
+    """(start, end, zeroed float32 workspace [rows, d]) covering [0, total) in ranges that fit."""
+    rows = max(multiple, rows_fit // multiple * multiple)
+    ws = torch.empty(min(total, rows), d, dtype=torch.float32, device=device) if need_workspace else None
+    for start in range(0, total, rows):
+        if ws is not None:
+            ws.zero_()
+        yield start, min(total, start + rows), ws
+
+
+class _Launcher:
+    """Launches the kernel over a token range x a vocabulary range into the given accumulators."""
+
+    def __init__(self, x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, cfg, db):
+        self.args = (x, w, bias if bias is not None else lse, labels, lse, alpha, beta, gamma)
+        self.x, self.w, self.db, self.cfg = x, w, db, cfg
+        self.num_heads, self.softcap, self.has_bias = num_heads, softcap, bias is not None
+
+    def __call__(self, token_range, vocab_range, dx_acc, dw_acc, with_db):
+        (n0, n1), (v0, v1) = token_range, vocab_range
+        cfg, d = self.cfg, self.x.shape[1]
+        dummy = self.args[4]
+        grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]), triton.cdiv(v1 - v0, cfg["BLOCK_V"]), self.num_heads)
         _backward_kernel[grid](
-            x, w, bias if bias is not None else dummy, labels, lse, alpha, beta, gamma,
-            dx if need_dx else dummy, workspace if need_dw else dummy, db if need_db else dummy,
-            n, v0, v1, dh, x.stride(0), w.stride(0), d, d,
-            float(softcap) if softcap is not None else 1.0,
-            NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-            NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db, **cfg, **dot_settings(x.dtype),
+            *self.args,
+            dx_acc if dx_acc is not None else dummy, dw_acc if dw_acc is not None else dummy,
+            self.db if with_db else dummy,
+            n0, n1, v0, v1, d // self.num_heads, self.x.stride(0), self.w.stride(0), d, d,
+            float(self.softcap) if self.softcap is not None else 1.0,
+            NUM_HEADS=self.num_heads, HAS_BIAS=self.has_bias, HAS_SOFTCAP=self.softcap is not None,
+            NEED_DX=dx_acc is not None, NEED_DW=dw_acc is not None, NEED_DB=with_db,
+            **cfg, **dot_settings(self.x.dtype),
         )
-        if need_dw and workspace is not dw:
-            dw[v0:v1] = workspace[: v1 - v0]
-    dx = dx.to(x.dtype) if need_dx else None
-    db = db.to(bias.dtype) if need_db else None
-    return dx, dw, db
