@@ -9,7 +9,7 @@ The loss config is recorded in ``model.config.hf_mhce`` (``CONFIG_KEY``), so it 
 save_pretrained / from_pretrained.
 """
 
-from .api import apply_patch, from_pretrained, is_patched, unpatch
+from .api import add_card_section, apply_patch, from_pretrained, is_patched, unpatch
 from .config import CONFIG_KEY, LOSSES, LossConfig
 from .families import FAMILIES, TESTED_FAMILIES, LogitFacts, UnsupportedModelError
 from .head import UnsupportedHeadError
@@ -19,6 +19,7 @@ __all__ = [
     "unpatch",
     "from_pretrained",
     "is_patched",
+    "add_card_section",
     "LossConfig",
     "CONFIG_KEY",
     "LOSSES",

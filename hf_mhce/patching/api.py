@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
 from torch import nn
 
+from .card import set_card_section, write_card
 from .config import CONFIG_KEY, OPTION_NAMES, resolve_config
 from .families import FAMILIES, LogitFacts, check_structure, model_type, probe_inputs, unsupported
 from .forward import ABSENT, STATE_ATTR, PatchState, generic_forward, make_forward, mirrored_signature
@@ -51,7 +53,26 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
     else:
         state.config, state.facts = cfg, facts
     setattr(target.config, CONFIG_KEY, cfg.to_saved())
+    for holder in {id(target): target, id(model): model}.values():  # a PeftModel saves adapters itself
+        if "save_pretrained" not in holder.__dict__:
+            holder.__dict__["save_pretrained"] = types.MethodType(_save_with_card, holder)
     return model
+
+
+def _save_with_card(self, save_directory, *args, **kwargs):
+    """The class's save_pretrained, then the hf_mhce section of the model card (main process)."""
+    result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    target = _unwrap(self)
+    state = target.__dict__.get(STATE_ATTR)
+    if state is not None and kwargs.get("is_main_process", True):
+        write_card(target, state.config, os.fspath(save_directory))
+    return result
+
+
+def add_card_section(model, title: str, render) -> None:
+    """Add a section to the card written on save: ``render(save_directory)`` returns markdown
+    (None removes the section).  Used by the RBE callback for its final table and plots."""
+    set_card_section(_unwrap(model), title, render)
 
 
 def unpatch(model):
@@ -64,6 +85,10 @@ def unpatch(model):
         target.__dict__.pop(state.attr, None)
     else:
         target.__dict__[state.attr] = state.original
+    for holder in (target, model):
+        bound = holder.__dict__.get("save_pretrained")
+        if getattr(bound, "__func__", None) is _save_with_card:
+            del holder.__dict__["save_pretrained"]
     if state.original_config is ABSENT:
         if hasattr(target.config, CONFIG_KEY):
             delattr(target.config, CONFIG_KEY)

@@ -46,8 +46,19 @@ class PatchState:
 
 
 class _Absent:
+    """Marks "there was no instance attribute"; a singleton, also across copy/deepcopy/pickle."""
+
     def __repr__(self):
         return "<absent>"
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return "ABSENT"
 
 
 ABSENT = _Absent()

@@ -89,3 +89,18 @@ def test_no_full_logits_in_eval_with_labels(family, loss, monkeypatch):
         # the head weight [V, D] and its gradient are the largest tensors (N = 80 > D): never [N, V]
         assert mode.largest <= vocab * model.config.hidden_size
         assert mode.largest < n_tokens * vocab
+
+
+def test_unpatch_of_a_deepcopy_restores_the_original_forward():
+    import copy
+
+    import hf_mhce
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    hf_mhce.apply_patch(model, loss="mhce", num_heads=2)
+    clone = hf_mhce.unpatch(copy.deepcopy(model))
+    ids = torch.randint(0, 61, (2, 5))
+    assert "forward" not in clone.__dict__ and clone(ids).logits.shape == (2, 5, 61)
+    assert not hasattr(clone.config, "hf_mhce")

@@ -1,0 +1,238 @@
+"""RBECallback: the RBE decomposition of every evaluation, from the evaluation forward itself.
+
+How it hooks into ``Trainer`` (transformers 5.x):
+- when the Trainer is built, forward hooks on its model install a rank sink
+  (``hf_mhce.losses.collect_ranks``) for the duration of each of that model's forwards; the
+  patched loss computed without gradient -- an evaluation forward -- feeds it ranks and NLL from
+  the same fused sweep (no second forward, no logits, no gathered predictions).  Each forward
+  starts from an empty batch, and a sink that was already active (``hf_mhce.rbe.evaluate`` on the
+  same model) is fed too;
+- ``on_prediction_step`` (after each evaluation batch) moves what the batch fed into the
+  statistics of the running evaluation, so no-grad forwards outside an evaluation, other models'
+  forwards and ``predict()`` batches are not counted;
+- ``Trainer.evaluate`` logs its metrics before ``on_evaluate``, so the metrics are added in
+  ``on_log``: to the dict that ``evaluate()`` returns, to ``state.log_history`` and, because the
+  callback moves itself ahead of the reporting integrations, to what they receive.  The prefix is
+  the evaluation's ``metric_key_prefix`` (``eval``, ``eval_<name>`` for a dict of datasets).
+Statistics are summed across processes (exact) before the decomposition.  The rows accelerate
+repeats to complete the last batch of an eval set whose size is not a multiple of the global batch
+(``even_batches``) are left out, as ``gather_for_metrics`` leaves them out of ``eval_loss``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+
+import torch
+from transformers import TrainerCallback
+
+from ..losses import collect_ranks
+from ..losses.collect import active_sink
+from ..patching import CONFIG_KEY, add_card_section, is_patched
+from .stats import RBEStats
+
+logger = logging.getLogger(__name__)
+
+METRICS = ("error_entropy", "self_alignment", "confidence", "cross_entropy", "top1", "top5", "mean_rank",
+           "num_tokens")
+
+
+class RBECallback(TrainerCallback):
+    """Adds ``{prefix}_rbe_<component>`` metrics to every ``trainer.evaluate()``.
+
+    plot: write, at each evaluation, the rank distribution (log-log) and the components over
+        training steps as PNG files under ``<output_dir>/rbe`` (needs matplotlib).
+    The model must be patched with ``hf_mhce.apply_patch`` (any loss); an unpatched model raises
+    at the first evaluation, since its loss never reaches the fused sweep that counts ranks.
+    Pass it in ``Trainer(callbacks=[...])``: added later with ``trainer.add_callback``, it misses
+    the first batch of an evaluation that comes before any training, and skips that evaluation
+    with a warning.
+    """
+
+    def __init__(self, plot: bool = False):
+        self._plot_dir: str | None = None
+        self.plot = plot
+        self.history: list[dict] = []  # one row per evaluation: step, prefix, components
+        self.last_stats: dict[str, RBEStats] = {}
+        self._batch: list = []  # (ranks, nll) fed by the forward in progress
+        self._labels: tuple | None = None  # (labels, shift_labels, ignore_index) of that forward
+        self._running: RBEStats | None = None
+        self._model = None
+        self._hooks: list = []
+        self._entered: list = []  # collect_ranks contexts of the forwards in progress
+        self._late = False  # attached during an evaluation: its first batch went uncounted
+
+    # -- collection -------------------------------------------------------------------------
+    def _sink(self, ranks, nll):
+        self._batch.append((ranks.detach().reshape(-1).cpu(), nll.detach().reshape(-1).cpu()))
+
+    def _move_first(self) -> None:
+        """Run before the reporting integrations in every event (see the module docstring)."""
+        for ref in gc.get_referrers(self):
+            if isinstance(ref, list) and any(type(c).__name__ == "DefaultFlowCallback" for c in ref):
+                ref.remove(self)
+                ref.insert(0, self)
+
+    def _pre_forward(self, module, args, kwargs):
+        self._batch = []  # a new forward: what came before is no part of this batch
+        saved = getattr(getattr(module, "config", None), CONFIG_KEY, None) or {}
+        ignore_index = kwargs.get("ignore_index", saved.get("ignore_index", -100))
+        self._labels = (kwargs.get("labels"), kwargs.get("shift_labels"), ignore_index)
+        outer = active_sink()  # e.g. hf_mhce.rbe.evaluate on this model: feed it as well
+        sink = self._sink if outer is None else _fan_out(self._sink, outer)
+        cm = collect_ranks(sink)
+        cm.__enter__()
+        self._entered.append(cm)
+
+    def _post_forward(self, module, args, output):
+        if self._entered:
+            self._entered.pop().__exit__(None, None, None)
+
+    def _attach(self, model) -> None:
+        """Hook ``model`` (once; again if the Trainer's model was replaced) and move first."""
+        if model is None or model is self._model:
+            return
+        self.close()
+        self._move_first()
+        head = model.get_output_embeddings()
+        self._vocab_size = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+        self._hooks = [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+                       model.register_forward_hook(self._post_forward, always_call=True)]
+        self._model = model
+        if is_patched(model):  # the model card written on save gets the final RBE table
+            add_card_section(model, "RBE evaluation", self.card_markdown)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        self._plot_dir = os.path.join(args.output_dir, "rbe")
+        self._attach(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._plot_dir = os.path.join(args.output_dir, "rbe")
+        self._attach(model)  # added with trainer.add_callback, or a model_init model
+
+    def on_prediction_step(self, args, state, control, model=None, eval_dataloader=None, **kwargs):
+        if self._model is None and model is not None:
+            self._attach(model)  # added with trainer.add_callback after init: this batch was missed
+            self._late = True
+        if self._batch:
+            ranks = torch.cat([r for r, _ in self._batch])
+            nll = torch.cat([n for _, n in self._batch])
+            keep = self._real_tokens(eval_dataloader, len(self._batch), ranks.numel())
+            if self._running is None:
+                self._running = RBEStats(self._vocab_size, device="cpu")
+            self._running.add(ranks[:keep], nll[:keep])
+        self._batch, self._labels = [], None
+
+    def _real_tokens(self, loader, calls: int, tokens: int) -> int:
+        """How many of the batch's tokens belong to real samples.  Under accelerate's ``even_batches``
+        (Trainer's default) the last batch of an eval set whose size is not a multiple of the
+        global batch is completed with samples from the start, which ``gather_for_metrics`` (and so
+        ``eval_loss``) drops; their tokens must not be counted either.  The real samples are the
+        first ``remainder`` rows of the batch concatenated over processes."""
+        sampler = getattr(loader, "batch_sampler", None)
+        remainder = getattr(loader, "remainder", -1)
+        if (not getattr(loader, "end_of_dataloader", False) or remainder is None or remainder <= 0
+                or not getattr(sampler, "even_batches", False) or getattr(sampler, "num_processes", 1) <= 1):
+            return tokens
+        per_row = _row_tokens(*self._labels) if self._labels is not None and calls == 1 else None
+        if per_row is None or int(per_row.sum()) != tokens:
+            logger.warning("RBECallback: cannot tell the padding samples of the last evaluation batch from the "
+                           "real ones; the RBE statistics count them (eval_loss does not)")
+            return tokens
+        rows = per_row.numel()
+        real_rows = max(0, min(rows, remainder - sampler.process_index * rows))
+        return int(per_row[:real_rows].sum())
+
+    def on_predict(self, args, state, control, **kwargs):
+        self._running, self._batch, self._late = None, [], False  # predict() batches are not an evaluation
+
+    # -- reporting --------------------------------------------------------------------------
+    def on_log(self, args, state, control, logs=None, model=None, **kwargs):
+        prefix = _evaluation_prefix(logs or {})
+        if prefix is None:
+            return
+        if self._model is None:
+            self._attach(model)
+        stats = self._running if self._running is not None else RBEStats(self._vocab_size)
+        self._running, self._batch = None, []
+        if self._late:
+            self._late = False
+            logger.warning("RBECallback was added after the Trainer was built: evaluation %r is not reported "
+                           "(its first batch ran before the callback could count it); later ones are", prefix)
+            return
+        stats.all_reduce()  # every process logs the evaluation, so this collective is matched
+        if stats.num_tokens == 0:
+            if model is not None and not is_patched(model):
+                raise RuntimeError(
+                    "RBECallback needs a model patched with hf_mhce.apply_patch(model, ...): the ranks "
+                    "are counted inside the fused loss, which an unpatched model never calls"
+                )
+            logger.warning("RBECallback: evaluation %r counted no token (all labels ignored?)", prefix)
+            return
+        d = stats.decompose()
+        metrics = {f"{prefix}_rbe_{k}": getattr(d, k) for k in METRICS}
+        logs.update(metrics)
+        if state.log_history and f"{prefix}_runtime" in state.log_history[-1]:
+            state.log_history[-1].update(metrics)
+        self.last_stats[prefix] = stats
+        self.history.append({"step": state.global_step, "prefix": prefix, **d.as_dict()})
+        if self.plot and state.is_world_process_zero:
+            from .plots import plot_evaluation
+
+            self._plot_dir = os.path.join(args.output_dir, "rbe")
+            plot_evaluation(self._plot_dir, prefix, stats, self.history)
+
+    def card_markdown(self, save_directory: str) -> str:
+        """The latest decomposition of each evaluation set, with links to the plots (model card)."""
+        latest = {row["prefix"]: row for row in self.history}
+        if not latest:
+            return ""
+        lines = ["Cross-entropy = Error-Entropy + Self-Alignment - Confidence (nats), at the last evaluation:", "",
+                 "| eval set | step | tokens | cross-entropy | Error-Entropy | Self-Alignment | Confidence | top-1 |",
+                 "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for prefix, r in latest.items():
+            lines.append(f"| {prefix} | {r['step']} | {r['num_tokens']} | {r['cross_entropy']:.4f} | "
+                         f"{r['error_entropy']:.4f} | {r['self_alignment']:.4f} | {r['confidence']:.4f} | {r['top1']:.3f} |")
+        plots = [f"[{prefix} {kind.replace('_', ' ')}]({os.path.relpath(path, save_directory)})"
+                 for prefix in latest for kind in ("components", "rank_distribution")
+                 if self._plot_dir and os.path.exists(path := os.path.join(self._plot_dir, f"{prefix}_{kind}.png"))]
+        if plots:
+            lines += ["", "Plots: " + ", ".join(plots)]
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        """Remove the forward hooks from the model (the callback then collects nothing)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._model = [], None
+
+
+def _row_tokens(labels, shift_labels, ignore_index):
+    """Counted tokens per row of a [B, T] batch, as the patched loss counts them (None if unknown)."""
+    if shift_labels is None:
+        if not torch.is_tensor(labels) or labels.dim() != 2:
+            return None
+        shift_labels = labels[:, 1:]  # the last position predicts nothing
+    if not torch.is_tensor(shift_labels) or shift_labels.dim() != 2:
+        return None
+    return (shift_labels != ignore_index).sum(1).cpu()
+
+
+def _fan_out(*sinks):
+    def sink(ranks, nll):
+        for s in sinks:
+            s(ranks, nll)
+
+    return sink
+
+
+def _evaluation_prefix(logs: dict) -> str | None:
+    """``metric_key_prefix`` of an evaluation's logs (they carry ``<prefix>_runtime``), else None."""
+    for key in logs:
+        if key.endswith("_runtime") and key != "train_runtime":
+            prefix = key[: -len("_runtime")]
+            if f"{prefix}_loss" in logs or f"{prefix}_samples_per_second" in logs:
+                return prefix
+    return None

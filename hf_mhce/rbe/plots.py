@@ -1,0 +1,66 @@
+"""Optional plots of the RBE statistics (matplotlib is imported only here)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .stats import RBEStats
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:  # pragma: no cover - exercised only without matplotlib
+        raise ImportError("RBE plots need matplotlib: pip install 'hf-mhce[plot]'") from err
+    return plt
+
+
+def plot_rank_distribution(stats: RBEStats, path: str, title: str = "") -> str:
+    """p_e against e + 1 on log-log axes (rank 0 drawn at 1)."""
+    plt = _pyplot()
+    counts = stats.counts.to(torch.float64)
+    observed = (counts > 0).nonzero().squeeze(1)
+    p = counts[observed] / counts.sum()
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.loglog((observed + 1).numpy(), p.numpy(), ".", ms=4)
+    ax.set_xlabel("rank e + 1")
+    ax.set_ylabel("p_e")
+    ax.set_title(title or "rank distribution")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_components(history: list[dict], prefix: str, path: str) -> str:
+    """Error-Entropy, Self-Alignment, Confidence and CE of one evaluation set over training steps."""
+    plt = _pyplot()
+    rows = [h for h in history if h["prefix"] == prefix]
+    steps = [h["step"] for h in rows]
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for key, label in (("cross_entropy", "cross-entropy"), ("error_entropy", "Error-Entropy"),
+                       ("self_alignment", "Self-Alignment"), ("confidence", "Confidence")):
+        ax.plot(steps, [h[key] for h in rows], marker="o", ms=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("nats")
+    ax.set_title(f"RBE decomposition ({prefix})")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_evaluation(directory: str, prefix: str, stats: RBEStats, history: list[dict]) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    return [
+        plot_rank_distribution(stats, os.path.join(directory, f"{prefix}_rank_distribution.png"), prefix),
+        plot_components(history, prefix, os.path.join(directory, f"{prefix}_components.png")),
+    ]

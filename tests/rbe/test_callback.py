@@ -1,0 +1,196 @@
+"""RBECallback in Trainer: metrics per eval set from the evaluation forward itself, checked against a
+brute-force reference; log_history, TensorBoard event files and plots; isolation from everything
+that is not an evaluation batch; the unpatched-model error."""
+
+import logging
+import math
+
+import pytest
+import torch
+from rbe_helpers import METRICS, make_model, mixed_dataset, rank_histogram, reference_token_stats, token_dataset
+from transformers import Trainer, TrainingArguments
+
+from hf_mhce import RBECallback, apply_patch
+from hf_mhce.rbe import evaluate as rbe_evaluate
+from hf_mhce.rbe.stats import check_identity
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+EVAL_SETS = {
+    "mixed": lambda: mixed_dataset(8, seed=5),  # 8 rows x 15 targets
+    "ragged": lambda: mixed_dataset(6, seed=6, ragged=True),  # label prefixes ignored
+}
+EVAL_BATCH = 4
+
+
+def _args(out, **kw):
+    opts = dict(output_dir=str(out), per_device_train_batch_size=8, per_device_eval_batch_size=EVAL_BATCH,
+                learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=3, use_cpu=True,
+                save_strategy="no", seed=0, data_seed=0, disable_tqdm=True, dataloader_num_workers=0,
+                report_to="none")
+    opts.update(kw)
+    return TrainingArguments(**opts)
+
+
+def _patched(loss):
+    model = make_model("llama")
+    return apply_patch(model, loss="mhce", num_heads=2) if loss == "mhce" else apply_patch(model, loss="ce")
+
+
+def _read_tensorboard(logdir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("loss", ["ce", "mhce"])
+def test_callback_end_to_end(loss, tmp_path, monkeypatch):
+    tb_dir = tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tb_dir))
+    plot = loss == "ce"
+    model = _patched(loss)
+    callback = RBECallback(plot=plot)
+    eval_sets = {name: make() for name, make in EVAL_SETS.items()}
+    trainer = Trainer(
+        model=model,
+        args=_args(tmp_path / "out", max_steps=12, eval_strategy="steps", eval_steps=6, report_to=["tensorboard"]),
+        train_dataset=token_dataset(64), eval_dataset=eval_sets, callbacks=[callback],
+    )
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    assert names.index("RBECallback") < names.index("TensorBoardCallback")
+    trainer.train()
+
+    # the evaluation itself: one decoder forward per batch, no logits
+    decoder_calls, logits_seen = [], []
+    hooks = [model.get_decoder().register_forward_hook(lambda m, a, o: decoder_calls.append(1)),
+             model.register_forward_hook(lambda m, a, o: logits_seen.append(o.logits))]
+    try:
+        metrics = trainer.evaluate()
+    finally:
+        for h in hooks:
+            h.remove()
+    n_batches = sum(math.ceil(len(rows) / EVAL_BATCH) for rows in eval_sets.values())
+    assert len(decoder_calls) == n_batches == 4
+    assert len(logits_seen) == n_batches and all(lg is None for lg in logits_seen)
+
+    num_heads = 2 if loss == "mhce" else 1
+    for name, rows in eval_sets.items():
+        prefix = f"eval_{name}"
+        keys = [f"{prefix}_rbe_{k}" for k in METRICS]
+        assert all(k in metrics for k in keys), sorted(set(keys) - metrics.keys())
+        d = {k: metrics[f"{prefix}_rbe_{k}"] for k in METRICS}
+        lhs = d["error_entropy"] + d["self_alignment"] - d["confidence"]
+        assert math.isclose(lhs, d["cross_entropy"], rel_tol=1e-9), (lhs, d)
+        assert d["error_entropy"] > 0 and d["self_alignment"] >= -1e-12
+
+        nll, ranks, hits = reference_token_stats(model, rows, loss=loss, num_heads=num_heads)
+        assert d["num_tokens"] == nll.numel()
+        assert d["cross_entropy"] == pytest.approx(nll.mean().item(), rel=1e-5)
+        assert d["top1"] == hits.double().mean().item()
+        assert 0 < d["top1"] < 1  # trained enough that top-1 says something
+        stats = callback.last_stats[prefix]
+        hist = rank_histogram(ranks, stats.vocab_size)
+        assert int((stats.counts - hist).abs().sum()) <= 2, "ranks differ from the brute-force ones"
+        tol = 2 * model.config.vocab_size / nll.numel()
+        assert d["mean_rank"] == pytest.approx(ranks.double().mean().item(), abs=tol)
+        assert d["top5"] == pytest.approx((ranks < 5).double().mean().item(), abs=1.5 / nll.numel())
+        # per-rank NLL sums of the callback against the reference (same tokens, same ranks)
+        ref_sums = torch.zeros(stats.vocab_size, dtype=torch.float64).index_add_(0, ranks, nll)
+        torch.testing.assert_close(stats.nll_sums.sum(), ref_sums.sum(), rtol=1e-5, atol=0)
+
+        # log_history: both evaluations during training and the final one
+        logged = [h for h in trainer.state.log_history if f"{prefix}_rbe_error_entropy" in h]
+        assert [h["step"] for h in logged] == [6, 12, 12]
+        assert all(f"{prefix}_loss" in h for h in logged)
+        assert {k: logged[-1][k] for k in keys} == {k: metrics[k] for k in keys}
+        assert logged[0][f"{prefix}_rbe_cross_entropy"] != logged[1][f"{prefix}_rbe_cross_entropy"]
+
+    # equal-size batches, every label counted: Trainer's own eval loss is the same token mean
+    assert metrics["eval_mixed_rbe_cross_entropy"] == pytest.approx(metrics["eval_mixed_loss"], rel=1e-5)
+    assert metrics["eval_mixed_rbe_num_tokens"] == 8 * 15
+
+    # TensorBoard event files
+    scalars = _read_tensorboard(tb_dir)
+    for name in eval_sets:
+        for k in METRICS:
+            tag = f"eval/{name}_rbe_{k}"
+            assert tag in scalars, sorted(t for t in scalars if "rbe" in t)
+            assert [s for s, _ in scalars[tag]] == [6, 12, 12]
+            assert scalars[tag][-1][1] == pytest.approx(metrics[f"eval_{name}_rbe_{k}"], rel=1e-6)
+
+    assert [h["prefix"] for h in callback.history] == ["eval_mixed", "eval_ragged"] * 3
+    plot_dir = tmp_path / "out" / "rbe"
+    if plot:
+        for name in eval_sets:
+            for kind in ("rank_distribution", "components"):
+                png = plot_dir / f"eval_{name}_{kind}.png"
+                assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    else:
+        assert not plot_dir.exists()
+
+
+def test_unpatched_model_raises(tmp_path):
+    trainer = Trainer(model=make_model("llama"), args=_args(tmp_path), eval_dataset=token_dataset(4),
+                      callbacks=[RBECallback()])
+    with pytest.raises(RuntimeError, match="apply_patch"):
+        trainer.evaluate()
+
+
+def _eval_trainer(out, model=None, callbacks=None):
+    model = model if model is not None else _patched("ce")
+    cbs = [RBECallback()] if callbacks is None else callbacks
+    return Trainer(model=model, args=_args(out), eval_dataset=token_dataset(6, seed=3), callbacks=cbs), model
+
+
+def _rbe(metrics):
+    return {k: v for k, v in metrics.items() if "_rbe_" in k}
+
+
+def test_only_evaluation_batches_are_counted(tmp_path):
+    """predict(), no-grad forwards between evaluations, another Trainer's evaluations and a standalone
+    rbe.evaluate of the same model leave an evaluation's statistics untouched."""
+    trainer, model = _eval_trainer(tmp_path / "a")
+    base = _rbe(trainer.evaluate())
+    assert base["eval_rbe_num_tokens"] == 6 * 15
+
+    trainer.predict(token_dataset(5, seed=9))
+    assert _rbe(trainer.evaluate()) == base
+
+    rows = token_dataset(4, seed=11)
+    with torch.no_grad():
+        model(input_ids=torch.stack([r["input_ids"] for r in rows]), labels=torch.stack([r["labels"] for r in rows]))
+    assert _rbe(trainer.evaluate()) == base
+
+    # a second Trainer (another model) built later: each callback counts its own model's evaluations
+    other, _ = _eval_trainer(tmp_path / "b", model=apply_patch(make_model("llama", seed=1)))
+    assert _rbe(trainer.evaluate()) == base
+    other_metrics = _rbe(other.evaluate())
+    assert other_metrics["eval_rbe_num_tokens"] == base["eval_rbe_num_tokens"]
+    assert other_metrics["eval_rbe_cross_entropy"] != base["eval_rbe_cross_entropy"]
+
+    # the standalone evaluation of the Trainer's model still gets every token
+    report = rbe_evaluate(model, token_dataset(6, seed=3), batch_size=4)
+    assert report.decomposition.num_tokens == 6 * 15
+    assert report.decomposition.cross_entropy == pytest.approx(base["eval_rbe_cross_entropy"], rel=1e-6)
+    assert _rbe(trainer.evaluate()) == base
+    assert check_identity(trainer.callback_handler.callbacks[0].last_stats["eval"].decompose())
+
+
+def test_callback_added_after_init(tmp_path, caplog):
+    trainer, _ = _eval_trainer(tmp_path / "a")
+    expected = _rbe(trainer.evaluate())
+    late, _ = _eval_trainer(tmp_path / "b", callbacks=[])
+    late.add_callback(RBECallback())
+    with caplog.at_level(logging.WARNING, logger="hf_mhce.rbe.callback"):
+        first = late.evaluate()
+    assert not _rbe(first) and "added after the Trainer was built" in caplog.text
+    assert _rbe(late.evaluate()) == pytest.approx(expected, rel=1e-12)

@@ -1,0 +1,68 @@
+"""Two CPU processes (torch.distributed, gloo) report the same RBE statistics and metrics as one
+process on the same evaluation data: counts exactly, floats to 1e-9; also for eval sets whose size
+is not a multiple of the global batch (accelerate's padding rows are not counted)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _single_process_reference(tmp_path, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    import dist_worker
+
+    threads = torch.get_num_threads()
+    try:
+        return dist_worker.run(str(tmp_path / "single"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _assert_same(got: dict, ref: dict, what: str):
+    assert got["stats"].keys() == ref["stats"].keys()
+    for key, stats in ref["stats"].items():
+        assert got["stats"][key]["counts"] == stats["counts"], f"{what} {key}: counts differ"
+        assert sum(stats["counts"]) > 0
+        torch.testing.assert_close(torch.tensor(got["stats"][key]["nll_sums"], dtype=torch.float64),
+                                   torch.tensor(stats["nll_sums"], dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    assert got["metrics"].keys() == ref["metrics"].keys() and ref["metrics"]
+    for key, value in ref["metrics"].items():
+        assert got["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), f"{what} {key}"
+
+
+def test_two_processes_match_one(tmp_path, monkeypatch):
+    out = tmp_path / "dist.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(HERE / "dist_worker.py"), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=str(tmp_path))
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    dist = json.loads(out.read_text())
+    assert dist["world_size"] == 2
+
+    single = _single_process_reference(tmp_path, monkeypatch)
+    assert single["world_size"] == 1
+    assert set(single["trainer"]["stats"]) == {"eval_mixed", "eval_ragged", "eval_short"}
+    assert single["trainer"]["metrics"]["eval_mixed_rbe_num_tokens"] == 8 * 15
+    assert single["trainer"]["metrics"]["eval_short_rbe_num_tokens"] == 5 * 15
+    _assert_same(dist["trainer"], single["trainer"], "Trainer.evaluate")
+    _assert_same(dist["standalone"], single["standalone"], "rbe.evaluate")

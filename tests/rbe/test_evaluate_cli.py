@@ -1,0 +1,212 @@
+"""hf_mhce.rbe.evaluate on rows, a datasets.Dataset and a DataLoader against a brute-force eval-mode
+reference (model state restored afterwards), and the `hf-mhce rbe` command line."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from rbe_helpers import METRICS, rank_histogram, reference_token_stats
+from torch.utils.data import DataLoader
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from hf_mhce import apply_patch, from_pretrained
+from hf_mhce.patching import CONFIG_KEY, is_patched
+from hf_mhce.rbe import RBEReport, evaluate
+from hf_mhce.rbe.evaluate import pad_collate
+from hf_mhce.rbe.stats import check_identity
+
+VOCAB = 61
+
+
+def tiny_gpt2(vocab=VOCAB, seed=0):
+    """Dropout on: a forward in train mode differs from the eval-mode reference."""
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.2,
+                        embd_pdrop=0.2, attn_pdrop=0.2, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    assert model.training
+    return model
+
+
+def ragged_rows(n=7, vocab=VOCAB, seed=3):
+    """Rows of different lengths (padded per batch by evaluate); some with ignored label prefixes."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(4, 20, (1,), generator=g))
+        ids = torch.randint(0, vocab, (length,), generator=g)
+        row = {"input_ids": ids.tolist()}
+        if i % 3 == 1:
+            labels = ids.clone()
+            labels[: length // 2] = -100
+            row["labels"] = labels.tolist()
+        rows.append(row)
+    return rows
+
+
+def _check_against_reference(report, model, rows, loss="ce", num_heads=1):
+    assert isinstance(report, RBEReport)
+    d = report.decomposition
+    nll, ranks, hits = reference_token_stats(model, rows, loss=loss, num_heads=num_heads)
+    assert d.num_tokens == nll.numel() == report.stats.num_tokens
+    assert d.cross_entropy == pytest.approx(nll.mean().item(), rel=1e-5)
+    assert d.top1 == hits.double().mean().item() and 0 < d.top5 < 1
+    assert int((report.stats.counts - rank_histogram(ranks, report.stats.vocab_size)).abs().sum()) <= 2
+    assert check_identity(d)
+    assert report.as_dict() == {k: getattr(d, k) for k in METRICS}
+
+
+def test_evaluate_unpatched_rows_restores_model():
+    model = tiny_gpt2()
+    rows = ragged_rows()
+    report = evaluate(model, rows, batch_size=3)
+    # patched for the evaluation only; training mode back as it was
+    assert not is_patched(model) and "forward" not in model.__dict__
+    assert not hasattr(model.config, CONFIG_KEY)
+    assert model.training
+    _check_against_reference(report, model, rows)
+    # the same rows as a datasets.Dataset of token ids, and a batch limit
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r.get("labels", r["input_ids"])}
+                                     for r in rows])
+    again = evaluate(model, ds, batch_size=2)
+    assert again.decomposition.num_tokens == report.decomposition.num_tokens
+    assert again.decomposition.cross_entropy == pytest.approx(report.decomposition.cross_entropy, rel=1e-6)
+    first = evaluate(model, rows, batch_size=3, max_batches=1)
+    nll3, _, _ = reference_token_stats(model, rows[:3])
+    assert first.decomposition.num_tokens == nll3.numel() < report.decomposition.num_tokens
+    assert first.decomposition.cross_entropy == pytest.approx(nll3.mean().item(), rel=1e-5)
+
+
+def test_evaluate_patched_mhce_dataloader():
+    model = apply_patch(tiny_gpt2(seed=1), loss="mhce", num_heads=2)
+    saved = dict(getattr(model.config, CONFIG_KEY))
+    model.eval()  # the mode to restore this time
+    rows = ragged_rows(9, seed=4)
+    loader = DataLoader(rows, batch_size=4, collate_fn=pad_collate)
+    report = evaluate(model, loader)
+    assert is_patched(model) and dict(getattr(model.config, CONFIG_KEY)) == saved
+    assert not model.training
+    _check_against_reference(report, model, rows, loss="mhce", num_heads=2)
+    # the mixture ranks are not the ranks of either head alone nor of plain CE on the same weights
+    ce = evaluate(apply_patch(tiny_gpt2(seed=1)), rows, batch_size=4)
+    assert ce.decomposition.cross_entropy != pytest.approx(report.decomposition.cross_entropy, rel=1e-3)
+
+
+def test_evaluate_dataloader_without_labels_skips_padding():
+    """A DataLoader giving input_ids and attention_mask only (a padding collator): the padded
+    positions are not targets."""
+    model = apply_patch(tiny_gpt2(seed=2))
+    rows = [{"input_ids": r["input_ids"]} for r in ragged_rows(6, seed=8)]
+
+    def collate(batch):
+        out = pad_collate(batch, pad_id=7)
+        return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"]}
+
+    report = evaluate(model, DataLoader(rows, batch_size=3, collate_fn=collate))
+    assert any(len(r["input_ids"]) != len(rows[0]["input_ids"]) for r in rows[:3])  # padding happens
+    _check_against_reference(report, model, rows)
+
+
+def test_evaluate_warns_on_padding_distributed_sampler():
+    from torch.utils.data.distributed import DistributedSampler
+
+    model = apply_patch(tiny_gpt2())
+    rows = ragged_rows(5)
+    even = DistributedSampler(rows[:4], num_replicas=2, rank=0, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluate(model, DataLoader(rows[:4], batch_size=2, sampler=even, collate_fn=pad_collate))
+    padded = DistributedSampler(rows, num_replicas=2, rank=1, shuffle=False)  # 5 rows -> 6
+    with pytest.warns(UserWarning, match="count twice"):
+        evaluate(model, DataLoader(rows, batch_size=2, sampler=padded, collate_fn=pad_collate))
+
+
+# -- command line -------------------------------------------------------------------------------
+
+TEXT = """the cat sat on the mat
+the dog sat on the log
+
+a cat and a dog met on the mat
+the log was under the dog and the mat was under the cat
+on the mat the cat sat and on the log the dog sat
+"""
+
+
+def _tokenizer(path: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(TEXT.splitlines(), trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    fast.save_pretrained(path)
+    return fast
+
+
+def test_cli_rbe(tmp_path):
+    model_dir, text_file = tmp_path / "model", tmp_path / "corpus.txt"
+    tokenizer = _tokenizer(model_dir)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    apply_patch(GPT2LMHeadModel(config), loss="mhce", num_heads=4).save_pretrained(model_dir)
+    text_file.write_text(TEXT)
+    out_json, out_png = tmp_path / "out.json", tmp_path / "p.png"
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "cache"),
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "hf_mhce.cli", "rbe", str(model_dir), "--dataset", str(text_file),
+           "--json", str(out_json), "--plot", str(out_png), "--no-progress", "--block-size", "16",
+           "--batch-size", "2", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+
+    # the same blocks in-process: texts -> EOS-separated stream -> blocks of 16 tokens
+    stream = []
+    for line in TEXT.splitlines():
+        if line:
+            stream += tokenizer(line, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    rows = [{"input_ids": stream[i:i + 16]} for i in range(0, len(stream), 16)]
+    rows = [r for r in rows if len(r["input_ids"]) > 1]
+    assert len(rows) >= 3
+    model = from_pretrained(model_dir)
+    assert is_patched(model) and getattr(model.config, CONFIG_KEY)["loss"] == "mhce"
+    expected = evaluate(model, rows, batch_size=2).decomposition
+    assert expected.num_tokens == sum(len(r["input_ids"]) - 1 for r in rows)
+
+    report = json.loads(out_json.read_text())
+    assert report["model"] == str(model_dir) and report["dataset"] == str(text_file)
+    assert set(METRICS) <= report.keys()
+    assert report["num_tokens"] == expected.num_tokens
+    for key in METRICS:
+        assert report[key] == pytest.approx(getattr(expected, key), rel=1e-9, abs=1e-12), key
+    assert math.isclose(report["error_entropy"] + report["self_alignment"] - report["confidence"],
+                        report["cross_entropy"], rel_tol=1e-9)
+
+    # the printed table
+    assert f"({len(rows)} blocks)" in out
+    table = {}
+    for line in out.splitlines():
+        parts = line.rsplit(None, 1)
+        if len(parts) == 2:
+            table[parts[0].strip()] = parts[1]
+    for label, key in (("cross-entropy", "cross_entropy"), ("Error-Entropy", "error_entropy"),
+                       ("Self-Alignment", "self_alignment"), ("Confidence", "confidence"),
+                       ("top-1 accuracy", "top1"), ("mean rank", "mean_rank")):
+        assert float(table[label]) == pytest.approx(report[key], abs=1e-6), label
+    assert float(table["perplexity"]) == pytest.approx(math.exp(report["cross_entropy"]), abs=1e-5)
+    assert int(table["tokens"]) == expected.num_tokens
+    assert f"wrote {out_json}" in out and f"wrote {out_png}" in out
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
