@@ -1,0 +1,83 @@
+"""Options of ``hf-mhce train`` as HfArgumentParser dataclasses (so ``--help`` lists every option and
+a JSON or YAML file can hold them).  Every TrainingArguments option is accepted too; the defaults
+below make the embedded run finish in a few minutes on two CPU cores."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+@dataclass
+class ModelArguments:
+    model: str | None = field(default=None, metadata={
+        "help": "checkpoint directory or hub id to fine-tune; default: a small Llama built from the sizes below"})
+    tokenizer: str | None = field(default=None, metadata={
+        "help": "tokenizer path or id; default: the model's, or a BPE trained on the training text"})
+    vocab_size: int = field(default=4096, metadata={"help": "size of the BPE trained when no tokenizer is given"})
+    hidden_size: int = 192
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    intermediate_size: int = 512
+
+
+@dataclass
+class DataArguments:
+    dataset: str | None = field(default=None, metadata={
+        "help": "datasets name, saved dataset directory or text/json/csv/parquet file; default: the embedded "
+                "corpus (Python's documentation from pydoc_data.topics) with stdlib source as a second eval set"})
+    dataset_config: str | None = None
+    text_column: str = "text"
+    train_split: str = "train"
+    eval_split: str = field(default="validation", metadata={
+        "help": "evaluation split; if the dataset has none, --eval_fraction of the training text is held out"})
+    eval_fraction: float = 0.1
+    block_size: int = field(default=128, metadata={"help": "tokens per training / evaluation block"})
+    max_train_blocks: int | None = None
+    max_eval_blocks: int | None = None
+
+
+@dataclass
+class LossArguments:
+    loss: str = field(default="mhce", metadata={"help": "ce or mhce"})
+    num_heads: int = field(default=4, metadata={"help": "MHCE heads (must divide the hidden size)"})
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    override_saved: bool = field(default=False, metadata={
+        "help": "allow a --loss/--num_heads different from the one saved in a checkpoint"})
+    rbe_plots: bool = field(default=True, metadata={"help": "write RBE plots to <output_dir>/rbe (matplotlib)"})
+    sample_prompt: str = field(default="The", metadata={"help": "prompt of the greedy sample printed at the end"})
+    sample_tokens: int = 40
+
+
+@dataclass
+class LoraArguments:
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains the full model"})
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str = field(default="q_proj,v_proj", metadata={
+        "help": "comma-separated module names, or all-linear; add lm_head to adapt the head (exact with the fused loss)"})
+
+
+@dataclass
+class TrainArguments(TrainingArguments):
+    """TrainingArguments with defaults for the embedded run."""
+
+    output_dir: str = field(default="outputs/hf-mhce-train", metadata={"help": "where everything is written"})
+    max_steps: int = 300
+    per_device_train_batch_size: int = 16
+    per_device_eval_batch_size: int = 16
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 20
+    lr_scheduler_type: str = "cosine"
+    eval_strategy: str = "steps"
+    eval_steps: int = 60
+    logging_steps: int = 20
+    save_strategy: str = "no"
+    seed: int = 0
+    disable_tqdm: bool = True
+
+
+ALL_ARGUMENTS = (ModelArguments, DataArguments, LossArguments, LoraArguments, TrainArguments)

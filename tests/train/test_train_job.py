@@ -1,0 +1,83 @@
+"""hf-mhce train: the main job end to end at a reduced size (same code path, smaller options)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hf_mhce
+from hf_mhce.train import parse
+
+# A few steps of the embedded default: smaller model, tokenizer and blocks; everything else default.
+REDUCED = ["--vocab_size", "300", "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64",
+           "--block_size", "32", "--max_train_blocks", "64", "--max_eval_blocks", "8", "--max_steps", "6",
+           "--eval_steps", "3", "--logging_steps", "3", "--per_device_train_batch_size", "4",
+           "--per_device_eval_batch_size", "4", "--sample_tokens", "5"]
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_parse_defaults_and_config_file(tmp_path):
+    model_args, data_args, loss_args, lora_args, train_args = parse([])
+    assert (loss_args.loss, loss_args.num_heads) == ("mhce", 4)
+    assert data_args.dataset is None and model_args.model is None and train_args.eval_strategy == "steps"
+    cfg = tmp_path / "job.json"
+    cfg.write_text(json.dumps({"loss": "ce", "max_steps": 7, "output_dir": str(tmp_path / "o")}))
+    _, _, loss_args, _, train_args = parse([str(cfg)])
+    assert loss_args.loss == "ce" and train_args.max_steps == 7
+    yaml_cfg = tmp_path / "job.yaml"
+    yaml_cfg.write_text("loss: mhce\nnum_heads: 2\nlora_r: 4\n")
+    _, _, loss_args, lora_args, _ = parse([str(yaml_cfg)])
+    assert loss_args.num_heads == 2 and lora_args.lora_r == 4
+
+
+def test_help_lists_every_option():
+    out = subprocess.run([sys.executable, "-m", "hf_mhce.cli", "train", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for option in ("--num_heads", "--lora_r", "--dataset", "--model", "--learning_rate", "--gradient_accumulation_steps"):
+        assert option in out
+
+
+def test_embedded_mhce_run_writes_everything(tmp_path, capsys):
+    out_dir = tmp_path / "run"
+    summary = hf_mhce.train.main(REDUCED + ["--output_dir", str(out_dir)])
+    printed = capsys.readouterr().out
+    for name in ("docs", "code"):
+        p = f"eval_{name}"
+        final = summary["final_eval"]
+        ce = final[f"{p}_rbe_cross_entropy"]
+        parts = final[f"{p}_rbe_error_entropy"] + final[f"{p}_rbe_self_alignment"] - final[f"{p}_rbe_confidence"]
+        assert math.isclose(parts, ce, rel_tol=1e-9)
+        assert name in printed
+    assert "Err-Ent" in printed and "sample:" in printed
+    for f in ("config.json", "tokenizer.json", "metrics.json", "README.md", "model.safetensors"):
+        assert (out_dir / f).exists(), f
+    assert sorted(os.listdir(out_dir / "rbe"))  # plots
+    card = (out_dir / "README.md").read_text()
+    assert "mixture of 4 softmaxes" in card and "hf_mhce.from_pretrained" in card
+    assert "### RBE evaluation" in card and "| eval_docs |" in card and "rbe/eval_docs_components.png" in card
+    metrics = json.loads((out_dir / "metrics.json").read_text())
+    assert metrics["loss"] == "mhce" and metrics["rbe_history"]
+    # the saved model reloads as MHCE and reproduces the logits
+    reloaded = hf_mhce.from_pretrained(str(out_dir))
+    assert reloaded.config.hf_mhce["loss"] == "mhce" and reloaded.config.hf_mhce["num_heads"] == 4
+
+
+def test_text_file_dataset_ce_with_lora(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}" for i in range(400)))
+    out_dir = tmp_path / "lora"
+    summary = hf_mhce.train.main(REDUCED + ["--output_dir", str(out_dir), "--dataset", str(text), "--loss", "ce",
+                                            "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj,lm_head"])
+    assert "eval_eval_rbe_error_entropy" in summary["final_eval"]
+    assert summary["loss"] == "ce"
