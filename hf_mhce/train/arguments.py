@@ -16,10 +16,10 @@ class ModelArguments:
     tokenizer: str | None = field(default=None, metadata={
         "help": "tokenizer path or id; default: the model's, or a BPE trained on the training text"})
     vocab_size: int = field(default=4096, metadata={"help": "size of the BPE trained when no tokenizer is given"})
-    hidden_size: int = 192
-    num_hidden_layers: int = 4
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
     num_attention_heads: int = 4
-    intermediate_size: int = 512
+    intermediate_size: int = 384
 
 
 @dataclass
@@ -33,9 +33,9 @@ class DataArguments:
     eval_split: str = field(default="validation", metadata={
         "help": "evaluation split; if the dataset has none, --eval_fraction of the training text is held out"})
     eval_fraction: float = 0.1
-    block_size: int = field(default=128, metadata={"help": "tokens per training / evaluation block"})
+    block_size: int = field(default=64, metadata={"help": "tokens per training / evaluation block"})
     max_train_blocks: int | None = None
-    max_eval_blocks: int | None = None
+    max_eval_blocks: int | None = field(default=64, metadata={"help": "per evaluation set; None = all"})
 
 
 @dataclass
@@ -65,15 +65,15 @@ class TrainArguments(TrainingArguments):
     """TrainingArguments with defaults for the embedded run."""
 
     output_dir: str = field(default="outputs/hf-mhce-train", metadata={"help": "where everything is written"})
-    max_steps: int = 300
-    per_device_train_batch_size: int = 16
+    max_steps: int = 200
+    per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 16
     learning_rate: float = 3e-3
     weight_decay: float = 0.01
     warmup_steps: int = 20
     lr_scheduler_type: str = "cosine"
     eval_strategy: str = "steps"
-    eval_steps: int = 60
+    eval_steps: int = 50
     logging_steps: int = 20
     save_strategy: str = "no"
     seed: int = 0
