@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_suite.py                       # D=4096, V=128256, N=8192, fp32 + bf16, H=1,4,8
     python benchmarks/gpu_suite.py --out benchmarks/results
+    python benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16   # N * V > 2^31
 
 For every (dtype, H): the Triton backend's loss, dX, dW and dB against a float64 reference (the
 chunked torch backend run in float64 on the same device, itself checked against a materialised
