@@ -65,7 +65,7 @@ class TrainArguments(TrainingArguments):
     """TrainingArguments with defaults for the embedded run."""
 
     output_dir: str = field(default="outputs/hf-mhce-train", metadata={"help": "where everything is written"})
-    max_steps: int = 1000
+    max_steps: int = 600
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 16
     learning_rate: float = 3e-3
@@ -73,7 +73,7 @@ class TrainArguments(TrainingArguments):
     warmup_steps: int = 50
     lr_scheduler_type: str = "cosine"
     eval_strategy: str = "steps"
-    eval_steps: int = 200
+    eval_steps: int = 150
     logging_steps: int = 100
     save_strategy: str = "no"
     seed: int = 0
