@@ -49,3 +49,14 @@ def _clean_backend_env(monkeypatch):
     monkeypatch.delenv("HF_MHCE_BACKEND", raising=False)
     monkeypatch.delenv("HF_MHCE_CHUNK_MB", raising=False)
     yield
+
+
+@pytest.fixture
+def single_thread():
+    """One intra-op thread, for tests that train or evaluate tiny models: their ops are too small
+    for threads to help, and on a 2-core machine shared with other jobs OpenMP spin-waiting makes
+    them up to ~50x slower (measured on 20-step Trainer runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

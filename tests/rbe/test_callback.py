@@ -15,12 +15,7 @@ from hf_mhce.rbe import evaluate as rbe_evaluate
 from hf_mhce.rbe.stats import check_identity
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 EVAL_SETS = {

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import hf_mhce
 from hf_mhce.train import parse
@@ -19,12 +18,7 @@ REDUCED = ["--vocab_size", "300", "--hidden_size", "32", "--num_hidden_layers", 
            "--per_device_eval_batch_size", "4", "--sample_tokens", "5"]
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_parse_defaults_and_config_file(tmp_path):
