@@ -1,0 +1,312 @@
+"""MHCE vs CE: the same small Llama trained with cross-entropy and with multi-head cross-entropy.
+
+    python examples/mhce_vs_ce.py                      # default: H = 1 (CE), 2, 4, 8; seeds 0 and 1
+    python examples/mhce_vs_ce.py --quick              # reduced size (what the test runs), seconds
+    python examples/mhce_vs_ce.py --heads 1 4 --seeds 0 1 2 --steps 400 --learning_rate 1e-3
+        (options this script does not know are passed to every ``hf-mhce train`` run)
+
+Every run is the main job, ``hf_mhce.train.main`` (``hf-mhce train``), on the embedded corpus
+(Python's documentation from ``pydoc_data.topics``): the same model size, tokenizer (a byte-level
+BPE trained once on the training topics), data order, initial weights (the seed fixes them; the
+LM head has the same shape for every H), optimizer and number of steps.  Only the loss differs:
+``--loss ce`` for H = 1, ``--loss mhce --num_heads H`` otherwise.  Each model is evaluated under its
+OWN distribution: for MHCE the uniform mixture of the H head softmaxes (eval loss = -log pbar[target],
+perplexity = exp(eval loss)), on two evaluation sets, "docs" (held-out documentation topics) and
+"code" (standard-library source, out of domain), with the RBE decomposition of that cross-entropy
+(CE = Error-Entropy + Self-Alignment - Confidence, nats; see section 3 of the brief).
+
+Runs go to ``--workers`` parallel processes (``hf-mhce train`` subprocesses with ``--threads`` torch
+threads each, glibc malloc told to keep freed memory: see parallel_runs.py; ``--workers 1`` runs them in
+this process).  These models are too small for intra-op threads: 2 workers x 1 thread beat 1 x 2
+threads on 2 cores, and on a busy machine two OpenMP threads were up to ~20x slower (measured).
+Written to ``--out``: table.md, results.json (every run, per-H means, the verdict), mhce_vs_ce.png,
+the tokenizer, and runs/<H>_s<seed>/ (the main job's output: model, card, metrics.json, RBE plots).
+
+Results on 2026-11-22, CPU (2 vCPUs; 2 workers x 1 thread), default configuration: 3.34M-parameter
+Llama (hidden 192, 4 layers, 4 attention heads, MLP 512, BPE vocabulary 4096, untied head), 200 steps
+x 16 blocks x 64 tokens (205k tokens, 2 epochs of the 103k training tokens), AdamW lr 3e-3, weight
+decay 0.01, cosine schedule, warm-up 20, seeds 0 and 1 (mean and ± std over the seeds; ppl = exp of
+the mean loss); evaluation on all of "docs" (9450 tokens) and "code" (24318 tokens).  Wall time
+8 min 27 s (985 s of CPU) on an otherwise quiet machine (1-min load average 1.9 = the two workers);
+"s / run" is each run's wall time with the other worker running beside it.
+
+| H | loss | docs ppl | docs CE | docs EE | docs SA | docs Conf | docs top-1 | code ppl | code CE | code EE | code SA | code Conf | code top-1 | train loss | s / run |
+|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| 1 | ce | 350.1 | 5.858 ± 0.061 | 5.761 | 0.164 | 0.067 | 0.110 | 1166.6 | 7.062 ± 0.045 | 6.832 | 0.253 | 0.024 | 0.046 | 6.041 | 87 |
+| 2 | mhce | 392.7 | 5.973 ± 0.063 | 5.855 | 0.121 | 0.003 | 0.111 | 1166.3 | 7.062 ± 0.013 | 6.896 | 0.210 | 0.044 | 0.039 | 6.175 | 101 |
+| 4 | mhce | 479.6 | 6.173 ± 0.010 | 6.016 | 0.110 | -0.047 | 0.103 | 1217.7 | 7.105 ± 0.060 | 6.975 | 0.162 | 0.032 | 0.040 | 6.377 | 116 |
+| 8 | mhce | 572.7 | 6.350 ± 0.034 | 6.144 | 0.111 | -0.095 | 0.094 | 1267.7 | 7.145 ± 0.010 | 6.953 | 0.177 | -0.015 | 0.037 | 6.582 | 165 |
+
+The verdict the script prints (computed from the numbers above):
+On held-out docs, CE reaches perplexity 350.1; MHCE H=2 392.7 (+12.2 %), H=4 479.6 (+37.0 %), H=8 572.7
+(+63.6 %). MHCE loses at H = 4, 8; H = 2 is within twice the seed-to-seed standard error of CE. The
+largest difference (H=8, +0.492 nats) splits as CE = EE + SA - Conf into Error-Entropy +0.384,
+Self-Alignment -0.053, Confidence -0.162; the main term is higher Error-Entropy (top-1 accuracy 0.110
+with CE, 0.094 with H=8). With growing H (vs CE): Error-Entropy rises (+0.094, +0.255, +0.384) and
+Confidence falls (-0.064, -0.113, -0.162). On out-of-domain code, CE reaches perplexity 1166.6; MHCE H=2
+1166.3 (-0.0 %), H=4 1217.7 (+4.4 %), H=8 1267.7 (+8.7 %). MHCE loses at H = 8; H = 2, 4 are within
+twice the seed-to-seed standard error of CE. The largest difference (H=8, +0.083 nats) splits as CE = EE
++ SA - Conf into Error-Entropy +0.121, Self-Alignment -0.077, Confidence -0.039; the main term is higher
+Error-Entropy (top-1 accuracy 0.046 with CE, 0.037 with H=8). Wall time per run relative to CE (CPU,
+same steps): H=2 1.2x, H=4 1.3x, H=8 1.9x. Caveat: 2 seeds per H, one model size, one learning rate
+tuned for nothing in particular, a 100k-token corpus.
+
+In short: at this size and budget MHCE does not beat CE; on the in-domain held-out docs perplexity
+grows with H (H=2 within seed noise), mostly through a larger Error-Entropy (the targets' ranks
+spread out) together with lower Confidence; Self-Alignment is slightly lower for MHCE, but not
+enough to compensate.  Out of domain (code) H=2 and H=4 are within seed noise of CE; H=8 loses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+from parallel_runs import options_argv, prepare_tokenizer, run_jobs
+
+# The model and schedule of every run (hf-mhce train options); --quick replaces them by REDUCED.
+DEFAULT = {
+    "vocab_size": 4096, "hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "intermediate_size": 512, "block_size": 64, "max_eval_blocks": 100000, "max_steps": 200,
+    "per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "learning_rate": 3e-3, "weight_decay": 0.01,
+    "warmup_steps": 20, "lr_scheduler_type": "cosine", "eval_steps": 50, "logging_steps": 25, "save_strategy": "no",
+    "sample_tokens": 24,
+}
+REDUCED = {
+    "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "intermediate_size": 64, "block_size": 32, "max_train_blocks": 64, "max_eval_blocks": 8, "max_steps": 6,
+    "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "learning_rate": 3e-3, "warmup_steps": 1,
+    "weight_decay": 0.01, "lr_scheduler_type": "cosine", "eval_steps": 3, "logging_steps": 3, "save_strategy": "no",
+    "sample_tokens": 4,
+}
+EVAL_SETS = ("docs", "code")
+COMPONENTS = ("cross_entropy", "error_entropy", "self_alignment", "confidence", "top1")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                epilog="Unknown options are passed to every hf-mhce train run.")
+    p.add_argument("--out", default="outputs/mhce_vs_ce", help="output directory")
+    p.add_argument("--quick", action="store_true", help="reduced size, same code path (the test)")
+    p.add_argument("--heads", type=int, nargs="+", default=[1, 2, 4, 8], help="H values; 1 = CE")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 (quick: 0)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of every run")
+    p.add_argument("--workers", type=int, default=2, help="parallel runs (1: in this process)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--replot", action="store_true",
+                   help="no training: redo the table, verdict and plot from <out>/results.json")
+    args, extra = p.parse_known_args(argv)
+    if args.seeds is None:
+        args.seeds = [0] if args.quick else [0, 1]
+    if 1 not in args.heads:
+        p.error("--heads must include 1 (the CE baseline)")
+    return args, extra
+
+
+# -- analysis ------------------------------------------------------------------------------------
+
+def run_row(heads: int, seed: int, summary: dict) -> dict:
+    final = summary["final_eval"]
+    row = {"heads": heads, "seed": seed, "loss": summary["loss"], "parameters": summary["parameters"],
+           "train_loss": summary["train"]["train_loss"], "wall_seconds": summary["wall_seconds"]}
+    for s in EVAL_SETS:
+        row[f"{s}_loss"] = final[f"eval_{s}_loss"]
+        row[f"{s}_ppl"] = math.exp(final[f"eval_{s}_loss"])
+        for c in COMPONENTS:
+            row[f"{s}_{c}"] = final[f"eval_{s}_rbe_{c}"]
+    row["curve"] = [(h["step"], h["prefix"][5:], h["cross_entropy"], h["error_entropy"]) for h in summary["rbe_history"]]
+    return row
+
+
+def aggregate(rows: list[dict], heads: list[int]) -> list[dict]:
+    """Per H: mean (and sample std when there are several seeds) of every numeric metric."""
+    out = []
+    for h in heads:
+        group = [r for r in rows if r["heads"] == h]
+        agg = {"heads": h, "seeds": [r["seed"] for r in group], "parameters": group[0]["parameters"]}
+        for key in group[0]:
+            if key in ("heads", "seed", "loss", "parameters", "curve"):
+                continue
+            vals = [r[key] for r in group]
+            agg[key] = statistics.fmean(vals)
+            agg[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else None
+        for s in EVAL_SETS:
+            agg[f"{s}_ppl"] = math.exp(agg[f"{s}_loss"])  # geometric mean over seeds
+        out.append(agg)
+    return out
+
+
+def markdown_table(summary: list[dict]) -> str:
+    def pm(row, key, fmt):
+        std = row.get(f"{key}_std")
+        return format(row[key], fmt) + (f" ± {std:{fmt}}" if std is not None else "")
+
+    head = "| H | loss |" + "".join(f" {s} ppl | {s} CE | {s} EE | {s} SA | {s} Conf | {s} top-1 |" for s in EVAL_SETS)
+    head += " train loss | s / run |"
+    lines = [head, "|" + "---:|" * (head.count("|") - 1)]
+    for r in summary:
+        cells = [str(r["heads"]), "ce" if r["heads"] == 1 else "mhce"]
+        for s in EVAL_SETS:
+            cells += [f"{r[f'{s}_ppl']:.1f}", pm(r, f"{s}_loss", ".3f")] + [
+                f"{r[f'{s}_{c}']:.3f}" for c in ("error_entropy", "self_alignment", "confidence", "top1")]
+        cells += [f"{r['train_loss']:.3f}", f"{r['wall_seconds']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict(summary: list[dict], n_seeds: int) -> str:
+    """One paragraph computed from the numbers: how each H compares with CE, and why (components)."""
+    base = next(r for r in summary if r["heads"] == 1)
+    others = [r for r in summary if r["heads"] != 1]
+    parts = []
+    names = {"error_entropy": "Error-Entropy", "self_alignment": "Self-Alignment", "confidence": "Confidence"}
+    for s in EVAL_SETS:
+        label = {"docs": "held-out docs", "code": "out-of-domain code"}[s]
+        items, better, worse, tie = [], [], [], []
+        for r in others:
+            d = r[f"{s}_loss"] - base[f"{s}_loss"]
+            if n_seeds > 1:
+                se = math.sqrt((r[f"{s}_loss_std"] ** 2 + base[f"{s}_loss_std"] ** 2) / n_seeds)
+                noise = 2 * se
+            else:
+                noise = 0.0
+            (tie if abs(d) <= noise else better if d < 0 else worse).append(r["heads"])
+            items.append(f"H={r['heads']} {r[f'{s}_ppl']:.1f} ({(math.exp(d) - 1) * 100:+.1f} %)")
+        text = f"On {label}, CE reaches perplexity {base[f'{s}_ppl']:.1f}; MHCE " + ", ".join(items) + ". "
+        if better:
+            text += f"MHCE beats CE at H = {', '.join(map(str, better))}"
+        if worse:
+            text += ("; it " if better else "MHCE ") + f"loses at H = {', '.join(map(str, worse))}"
+        if tie:
+            text += ("; " if better or worse else "") + (
+                f"H = {', '.join(map(str, tie))} {'is' if len(tie) == 1 else 'are'} within twice the seed-to-seed standard error of CE")
+        text += "."
+        # which component carries the difference at the H furthest from CE
+        far = max(others, key=lambda r: abs(r[f"{s}_loss"] - base[f"{s}_loss"]))
+        d_ce = far[f"{s}_loss"] - base[f"{s}_loss"]
+        delta = {c: far[f"{s}_{c}"] - base[f"{s}_{c}"] for c in names}
+        share = {"error_entropy": delta["error_entropy"], "self_alignment": delta["self_alignment"],
+                 "confidence": -delta["confidence"]}  # each term's contribution to the CE difference
+        main = max(share, key=lambda k: abs(share[k]))
+        text += (f" The largest difference (H={far['heads']}, {d_ce:+.3f} nats) splits as CE = EE + SA - Conf into"
+                 f" Error-Entropy {delta['error_entropy']:+.3f}, Self-Alignment {delta['self_alignment']:+.3f},"
+                 f" Confidence {delta['confidence']:+.3f}; the main term is "
+                 f"{'higher' if delta[main] > 0 else 'lower'} {names[main]}"
+                 f" (top-1 accuracy {base[f'{s}_top1']:.3f} with CE, {far[f'{s}_top1']:.3f} with H={far['heads']}).")
+        trends = []
+        for c in names:
+            d = [r[f"{s}_{c}"] - base[f"{s}_{c}"] for r in others]
+            if all(x > 0 for x in d) and d == sorted(d):
+                trends.append(f"{names[c]} rises ({', '.join(f'{x:+.3f}' for x in d)})")
+            elif all(x < 0 for x in d) and d == sorted(d, reverse=True):
+                trends.append(f"{names[c]} falls ({', '.join(f'{x:+.3f}' for x in d)})")
+        if trends:
+            text += f" With growing H (vs CE): {' and '.join(trends)}."
+        parts.append(text)
+    cost = ", ".join(f"H={r['heads']} {r['wall_seconds'] / base['wall_seconds']:.1f}x" for r in others)
+    noise_note = (f"{n_seeds} seeds per H" if n_seeds > 1 else "one seed per H, so no noise estimate")
+    parts.append(f"Wall time per run relative to CE (CPU, same steps): {cost}. Caveat: {noise_note}, one model "
+                 f"size, one learning rate tuned for nothing in particular, a 100k-token corpus.")
+    return " ".join(parts)
+
+
+def plot(summary: list[dict], rows: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = [r["heads"] for r in summary]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    ax = axes[0, 0]
+    for s, marker in zip(EVAL_SETS, "os"):
+        err = [(r[f"{s}_loss_std"] or 0) * r[f"{s}_ppl"] for r in summary]  # d ppl = ppl * d loss
+        ax.errorbar(heads, [r[f"{s}_ppl"] for r in summary], yerr=err, marker=marker, capsize=3, label=s)
+    ax.set(title="eval perplexity (each model's own distribution)", ylabel="perplexity")
+    base = next(r for r in summary if r["heads"] == 1)
+    for ax, s in ((axes[0, 1], "docs"), (axes[1, 0], "code")):
+        # each term's contribution to the change of CE relative to H=1: dCE = dEE + dSA - dConf
+        for c, sign, style, label in (("cross_entropy", 1, "k-o", "CE"), ("error_entropy", 1, "C0-s", "Error-Entropy"),
+                                      ("self_alignment", 1, "C1-^", "Self-Alignment"),
+                                      ("confidence", -1, "C2-v", "- Confidence")):
+            err = [r[f"{s}_{c}_std"] or 0 for r in summary]
+            ax.errorbar(heads, [sign * (r[f"{s}_{c}"] - base[f"{s}_{c}"]) for r in summary], yerr=err, fmt=style,
+                        capsize=3, label=label)
+        ax.set(title=f"eval set '{s}': change vs CE (H=1), CE = EE + SA - Conf", ylabel="nats")
+        ax.axhline(0, color="grey", lw=0.5)
+    for ax in (axes[0, 0], axes[0, 1], axes[1, 0]):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(heads, [f"{h}\n(CE)" if h == 1 else str(h) for h in heads])
+        ax.set_xlabel("heads H")
+        ax.legend(fontsize=8)
+    ax = axes[1, 1]
+    for i, h in enumerate(heads):
+        for r in (r for r in rows if r["heads"] == h):
+            pts = sorted({(st, ce) for st, name, ce, _ in r["curve"] if name == "docs"})
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{i}", marker=".",
+                    label=f"H={h}" if r["seed"] == rows[0]["seed"] else None)
+    ax.set(title="eval loss on docs during training (every seed)", xlabel="step", ylabel="nats")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> dict:
+    args, extra = parse_args(argv)
+    started = time.time()
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    if args.replot:
+        with open(os.path.join(out, "results.json")) as f:
+            previous = json.load(f)
+        return report(out, [{**r, "curve": [tuple(c) for c in r["curve"]]} for r in previous["runs"]],
+                      previous["config"], started - previous["wall_seconds"])
+    options = dict(REDUCED if args.quick else DEFAULT)
+    if args.steps is not None:
+        options["max_steps"] = args.steps
+    tokenizer = prepare_tokenizer(out, options.pop("vocab_size"))
+    jobs = []
+    for seed in args.seeds:
+        for h in args.heads:
+            loss = ["--loss", "ce"] if h == 1 else ["--loss", "mhce", "--num_heads", str(h)]
+            name = f"h{h}_s{seed}"
+            jobs.append((name, ["--output_dir", os.path.join(out, "runs", name), "--tokenizer", tokenizer, *loss,
+                                "--seed", str(seed), *options_argv(options), *extra]))
+    jobs.sort(key=lambda j: -int(j[0][1:].split("_")[0]))  # slowest (largest H) first
+    summaries = run_jobs(jobs, out, args.workers, args.threads)
+    rows = [run_row(h, seed, summaries[f"h{h}_s{seed}"]) for seed in args.seeds for h in args.heads]
+    config = {"quick": args.quick, "heads": sorted(args.heads), "seeds": args.seeds, "options": options,
+              "extra": extra, "workers": args.workers, "threads": args.threads,
+              "parameters": rows[0]["parameters"], "tokenizer": tokenizer}
+    return report(out, rows, config, started)
+
+
+def report(out: str, rows: list[dict], config: dict, started: float) -> dict:
+    """Per-H summary, verdict, results.json, table.md and the plot from the per-run rows; prints the table."""
+    summary = aggregate(rows, config["heads"])
+    table = markdown_table(summary)
+    text = verdict(summary, len(config["seeds"]))
+    result = {"config": config, "runs": rows, "summary": summary, "verdict": text,
+              "wall_seconds": round(time.time() - started, 1)}
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table + "\n\n" + text + "\n")
+    plot(summary, rows, os.path.join(out, "mhce_vs_ce.png"))
+    print(f"\nMHCE vs CE: {config['parameters'] / 1e6:.2f}M parameters, {config['options']['max_steps']} steps, "
+          f"seeds {config['seeds']}; perplexity = exp(eval loss) under each model's own distribution; "
+          f"CE = EE + SA - Conf (nats)\n")
+    print(table)
+    print("\n" + text)
+    print(f"\nwrote {out}/table.md, results.json, mhce_vs_ce.png ({result['wall_seconds']:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

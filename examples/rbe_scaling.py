@@ -1,0 +1,339 @@
+"""RBE scaling: the RBE decomposition of cross-entropy across model sizes, with power-law fits.
+
+    python examples/rbe_scaling.py                     # default: 10 sizes, 250 steps each
+    python examples/rbe_scaling.py --quick             # reduced size (what the test runs), seconds
+    python examples/rbe_scaling.py --sizes 64x2 128x4 256x6 512x8 768x8 --steps 1000 --loss mhce
+        (options this script does not know are passed to every ``hf-mhce train`` run)
+
+A size ``DxL`` is a Llama with hidden size D, L layers, D / --head_dim attention heads and an MLP of
+8D/3 (rounded to a multiple of 32).  Every size is trained by the main job, ``hf_mhce.train.main``
+(``hf-mhce train``), on the embedded corpus (Python's documentation from ``pydoc_data.topics``) with
+the same tokenizer (a byte-level BPE trained once), data order, optimizer, learning rate, seed and
+number of steps; loss CE by default (``--loss mhce`` works too: the decomposition is then of each
+model's own mixture distribution).  The final evaluation gives, on "docs" (held-out documentation
+topics) and "code" (standard-library source, out of domain), the RBE decomposition
+    CE = Error-Entropy + Self-Alignment - Confidence   (nats; section 3 of the brief).
+Power laws y = a * N^b are fitted by least squares on log y vs log N (so R^2 is that of the log-log
+line, in [0, 1]) for y = CE and y = Error-Entropy, against N = all parameters (the paper's model
+sizes count them all) and, in results.json, against non-embedding parameters too.  The paper (32
+models, 14M-70B) finds Error-Entropy follows a power law in size (R^2 ~0.9+) better than CE, and
+that it is 80-90 % of CE in small models and shrinks with scale.
+
+Runs go to ``--workers`` parallel processes (``hf-mhce train`` subprocesses, ``--threads`` torch
+threads each, largest first, glibc malloc told to keep freed memory: see parallel_runs.py; ``--workers 1``
+runs them in this process).  Written to ``--out``:
+table.md, results.json (every size, the fits, the verdict), rbe_scaling.png, the tokenizer, and
+runs/<size>/ (the main job's output: model, card, metrics.json, RBE plots).
+
+Results on 2026-11-22, CPU (2 vCPUs; 2 workers x 1 thread), default configuration: 10 sizes 16x1 ..
+384x6 (0.13M - 13.8M parameters, BPE vocabulary 4096, untied head), loss CE, 250 steps x 16 blocks x
+64 tokens (2.5 epochs of the 103k training tokens) for every size, AdamW lr 3e-3 cosine, warm-up 20,
+seed 0; wall time 7 min 50 s.  Final evaluation (nats; EE/CE = Error-Entropy's share of CE):
+
+| size | params | docs CE | docs EE | docs SA | docs Conf | docs EE/CE | code CE | code EE | code EE/CE |
+|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| 16x1 | 0.13M | 6.068 | 5.848 | 0.105 | -0.115 | 96.4 % | 6.976 | 6.800 | 97.5 % |
+| 24x1 | 0.20M | 5.912 | 5.715 | 0.095 | -0.101 | 96.7 % | 6.934 | 6.792 | 98.0 % |
+| 32x1 | 0.28M | 5.690 | 5.531 | 0.090 | -0.069 | 97.2 % | 6.830 | 6.675 | 97.7 % |
+| 48x1 | 0.42M | 5.634 | 5.511 | 0.093 | -0.030 | 97.8 % | 6.777 | 6.627 | 97.8 % |
+| 64x2 | 0.62M | 5.545 | 5.476 | 0.095 | 0.026 | 98.8 % | 6.769 | 6.632 | 98.0 % |
+| 96x2 | 1.01M | 5.442 | 5.402 | 0.110 | 0.070 | 99.3 % | 6.760 | 6.611 | 97.8 % |
+| 128x3 | 1.65M | 5.622 | 5.579 | 0.134 | 0.091 | 99.2 % | 6.871 | 6.682 | 97.2 % |
+| 192x4 | 3.34M | 5.754 | 5.673 | 0.155 | 0.074 | 98.6 % | 7.003 | 6.748 | 96.3 % |
+| 256x5 | 5.99M | 5.670 | 5.615 | 0.165 | 0.110 | 99.0 % | 6.995 | 6.781 | 96.9 % |
+| 384x6 | 13.77M | 5.557 | 5.500 | 0.178 | 0.121 | 99.0 % | 7.097 | 6.768 | 95.4 % |
+
+Power-law fits against all parameters: on docs over all 10 sizes CE ~ N^-0.0110 (R^2 0.28) and
+Error-Entropy ~ N^-0.0052 (R^2 0.11); up to 96x2, the best size (6 sizes), CE ~ N^-0.0531 (R^2 0.94)
+and Error-Entropy ~ N^-0.0375 (R^2 0.88).  On code, CE does not fall with size (N^+0.0058, R^2 0.27);
+up to 96x2, CE ~ N^-0.0168 (R^2 0.85), Error-Entropy ~ N^-0.0154 (R^2 0.82).
+
+What the numbers say: the paper's claims do NOT reproduce at this scale.  Beyond ~1M parameters the
+larger models are no better (250 steps on a 100k-token corpus: data and steps, not size, limit them),
+so no power law holds over the whole sweep; in the range where size helps, Error-Entropy fits a power
+law slightly WORSE than CE, not better; and Error-Entropy is 95-99 % of CE, above the paper's 80-90 %
+for small models, rising (docs) rather than shrinking with size.  Self-Alignment grows with size
+(0.105 -> 0.178 docs, 0.149 -> 0.350 code) and Confidence turns from negative to positive: the larger
+models fit the training set better and are more confident, which these held-out sets do not reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+from parallel_runs import options_argv, prepare_tokenizer, run_jobs
+
+DEFAULT_SIZES = ["16x1", "24x1", "32x1", "48x1", "64x2", "96x2", "128x3", "192x4", "256x5", "384x6"]
+QUICK_SIZES = ["16x1", "24x1", "32x1", "32x2", "48x2"]
+# The schedule of every run (hf-mhce train options); --quick replaces it by REDUCED.
+DEFAULT = {
+    "vocab_size": 4096, "block_size": 64, "max_eval_blocks": 100000, "max_steps": 250,
+    "per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "learning_rate": 3e-3, "weight_decay": 0.01,
+    "warmup_steps": 20, "lr_scheduler_type": "cosine", "eval_steps": 50, "logging_steps": 25, "save_strategy": "no",
+    "sample_tokens": 24,
+}
+REDUCED = {
+    "vocab_size": 300, "block_size": 32, "max_train_blocks": 64, "max_eval_blocks": 8, "max_steps": 6,
+    "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "learning_rate": 3e-3, "warmup_steps": 1,
+    "weight_decay": 0.01, "lr_scheduler_type": "cosine", "eval_steps": 3, "logging_steps": 3, "save_strategy": "no",
+    "sample_tokens": 4,
+}
+EVAL_SETS = ("docs", "code")
+COMPONENTS = ("cross_entropy", "error_entropy", "self_alignment", "confidence", "top1")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
+                                epilog="Unknown options are passed to every hf-mhce train run.")
+    p.add_argument("--out", default="outputs/rbe_scaling", help="output directory")
+    p.add_argument("--quick", action="store_true", help="reduced size, same code path (the test)")
+    p.add_argument("--sizes", nargs="+", default=None, help="DxL (hidden size x layers); at least 3")
+    p.add_argument("--head_dim", type=int, default=None, help="attention head size (default 32; quick 8)")
+    p.add_argument("--steps", type=int, default=None, help="training steps of every size")
+    p.add_argument("--loss", choices=["ce", "mhce"], default="ce")
+    p.add_argument("--num_heads", type=int, default=4, help="MHCE heads with --loss mhce")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=2, help="parallel runs (1: in this process)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--replot", action="store_true",
+                   help="no training: redo the fits, table, verdict and plot from <out>/results.json")
+    args, extra = p.parse_known_args(argv)
+    args.sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    args.head_dim = args.head_dim or (8 if args.quick else 32)
+    if len(args.sizes) < 3:
+        p.error("a power-law fit needs at least 3 sizes")
+    return args, extra
+
+
+def model_options(size: str, head_dim: int) -> dict:
+    hidden, layers = (int(x) for x in size.lower().split("x"))
+    heads = max(1, hidden // head_dim)
+    if hidden % heads:
+        raise ValueError(f"hidden size {hidden} of {size} is not a multiple of {heads} attention heads")
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "intermediate_size": max(32, round(8 * hidden / 3 / 32) * 32)}
+
+
+# -- analysis ------------------------------------------------------------------------------------
+
+def size_row(size: str, summary: dict, run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "config.json")) as f:
+        cfg = json.load(f)
+    embedding = cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg.get("tie_word_embeddings") else 2)
+    final = summary["final_eval"]
+    row = {"size": size, "hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
+           "intermediate_size": cfg["intermediate_size"], "parameters": summary["parameters"],
+           "non_embedding_parameters": summary["parameters"] - embedding,
+           "train_loss": summary["train"]["train_loss"], "wall_seconds": summary["wall_seconds"]}
+    for s in EVAL_SETS:
+        row[f"{s}_loss"] = final[f"eval_{s}_loss"]
+        for c in COMPONENTS:
+            row[f"{s}_{c}"] = final[f"eval_{s}_rbe_{c}"]
+        row[f"{s}_ee_share"] = row[f"{s}_error_entropy"] / row[f"{s}_cross_entropy"]
+    return row
+
+
+def power_law(x: list[float], y: list[float]) -> dict:
+    """Least-squares line log y = log a + b log x: {exponent b, coefficient a, r2 of the log-log fit}."""
+    import numpy as np
+
+    lx, ly = np.log(np.asarray(x, float)), np.log(np.asarray(y, float))
+    b, log_a = np.polyfit(lx, ly, 1)
+    ss_res = float(((ly - (log_a + b * lx)) ** 2).sum())
+    ss_tot = float(((ly - ly.mean()) ** 2).sum())
+    return {"exponent": float(b), "coefficient": float(math.exp(log_a)),
+            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else 0.0}
+
+
+def fit_all(rows: list[dict]) -> list[dict]:
+    fits = []
+    for s in EVAL_SETS:
+        for x_key in ("parameters", "non_embedding_parameters"):
+            for q in ("cross_entropy", "error_entropy"):
+                fit = power_law([r[x_key] for r in rows], [r[f"{s}_{q}"] for r in rows])
+                fits.append({"eval_set": s, "quantity": q, "x": x_key, **fit})
+    return fits
+
+
+def markdown_tables(rows: list[dict], fits: list[dict]) -> str:
+    head = "| size | params | non-emb params |" + "".join(
+        f" {s} CE | {s} EE | {s} SA | {s} Conf | {s} EE/CE | {s} top-1 |" for s in EVAL_SETS) + " train loss | s |"
+    lines = [head, "|" + "---:|" * (head.count("|") - 1)]
+    for r in rows:
+        cells = [r["size"], f"{r['parameters'] / 1e6:.2f}M", f"{r['non_embedding_parameters'] / 1e6:.3f}M"]
+        for s in EVAL_SETS:
+            cells += [f"{r[f'{s}_{c}']:.3f}" for c in ("cross_entropy", "error_entropy", "self_alignment", "confidence")]
+            cells += [f"{100 * r[f'{s}_ee_share']:.1f} %", f"{r[f'{s}_top1']:.3f}"]
+        cells += [f"{r['train_loss']:.3f}", f"{r['wall_seconds']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| eval set | quantity | against | exponent b | coefficient a | R^2 |", "|---|---|---|---:|---:|---:|"]
+    for f in fits:
+        lines.append(f"| {f['eval_set']} | {'CE' if f['quantity'] == 'cross_entropy' else 'Error-Entropy'} | "
+                     f"{'all params' if f['x'] == 'parameters' else 'non-embedding params'} | {f['exponent']:+.4f} | "
+                     f"{f['coefficient']:.3g} | {f['r2']:.3f} |")
+    return "\n".join(lines)
+
+
+def fits_below_best(rows: list[dict]) -> list[dict]:
+    """Fits (against all parameters) over the sizes up to the one with the lowest CE, per eval set,
+    when that is not the largest size and at least 3 sizes remain: the range where size still helps."""
+    out = []
+    for s in EVAL_SETS:
+        best = min(range(len(rows)), key=lambda i: rows[i][f"{s}_cross_entropy"])
+        if best == len(rows) - 1 or best < 2:
+            continue
+        part = rows[: best + 1]
+        for q in ("cross_entropy", "error_entropy"):
+            fit = power_law([r["parameters"] for r in part], [r[f"{s}_{q}"] for r in part])
+            out.append({"eval_set": s, "quantity": q, "x": "parameters", "sizes": [r["size"] for r in part], **fit})
+    return out
+
+
+def _law(f: dict) -> str:
+    return f"N^{f['exponent']:+.4f} (R^2 {f['r2']:.2f})"
+
+
+def verdict(rows: list[dict], fits: list[dict], below_best: list[dict] | None = None) -> str:
+    """One paragraph computed from the numbers: does the tiny sweep agree with the paper?"""
+    def fit(s, q, x="parameters", source=fits):
+        return next((f for f in source if f["eval_set"] == s and f["quantity"] == q and f["x"] == x), None)
+
+    def compare(ce, ee):
+        if ce["exponent"] >= 0 and ee["exponent"] >= 0:
+            return "neither falls with size, so the paper's comparison cannot be made on these points"
+        if max(ce["r2"], ee["r2"]) < 0.5:
+            return "neither is close to a power law (R^2 < 0.5), so the comparison with the paper is inconclusive"
+        if ee["r2"] > ce["r2"]:
+            return "Error-Entropy fits a power law better than CE, as in the paper"
+        return "Error-Entropy fits a power law worse than CE, unlike the paper"
+
+    parts = []
+    for s in EVAL_SETS:
+        label = {"docs": "held-out docs", "code": "out-of-domain code"}[s]
+        ce, ee = fit(s, "cross_entropy"), fit(s, "error_entropy")
+        text = (f"On {label}, over all {len(rows)} sizes: CE ~ {_law(ce)}, Error-Entropy ~ {_law(ee)} against all "
+                f"parameters (against non-embedding parameters R^2 {fit(s, 'cross_entropy', 'non_embedding_parameters')['r2']:.2f}"
+                f" and {fit(s, 'error_entropy', 'non_embedding_parameters')['r2']:.2f}): {compare(ce, ee)}.")
+        best = min(rows, key=lambda r: r[f"{s}_cross_entropy"])
+        if best is not rows[-1]:
+            text += (f" CE is lowest at {best['size']} ({best['parameters'] / 1e6:.2f}M parameters, "
+                     f"{best[f'{s}_cross_entropy']:.3f} nats); the larger models are no better.")
+            pce, pee = fit(s, "cross_entropy", source=below_best or []), fit(s, "error_entropy", source=below_best or [])
+            if pce is not None:
+                text += (f" Up to {best['size']} ({len(pce['sizes'])} sizes): CE ~ {_law(pce)}, Error-Entropy ~ "
+                         f"{_law(pee)}: {compare(pce, pee)}.")
+        shares = [100 * r[f"{s}_ee_share"] for r in rows]
+        text += (f" Error-Entropy is {min(shares):.0f}-{max(shares):.0f} % of CE (paper: 80-90 % in small models; "
+                 f"{shares[0]:.0f} % for the smallest model here, {shares[-1]:.0f} % for the largest); from the smallest to "
+                 f"the largest model Self-Alignment goes {rows[0][f'{s}_self_alignment']:.3f} -> "
+                 f"{rows[-1][f'{s}_self_alignment']:.3f} and Confidence {rows[0][f'{s}_confidence']:.3f} -> "
+                 f"{rows[-1][f'{s}_confidence']:.3f} nats.")
+        parts.append(text)
+    span = rows[-1]["parameters"] / rows[0]["parameters"]
+    parts.append(f"Caveats: {len(rows)} sizes spanning {span:.0f}x in parameters (the paper: 14M-70B, 5000x), every "
+                 f"size trained for the same number of steps at one learning rate on a ~100k-token corpus (the larger "
+                 f"models are presumably limited by data and steps rather than by size), one seed.")
+    return " ".join(parts)
+
+
+def plot(rows: list[dict], fits: list[dict], path: str, below_best: list[dict] | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import NullLocator
+
+    n = np.array([r["parameters"] for r in rows], float)
+    grid = np.geomspace(n.min() / 1.2, n.max() * 1.2, 50)
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    for ax, s in zip(axes[:2], EVAL_SETS):
+        for q, color, label in (("cross_entropy", "k", "CE"), ("error_entropy", "C0", "Error-Entropy")):
+            f = next(f for f in fits if f["eval_set"] == s and f["quantity"] == q and f["x"] == "parameters")
+            ax.plot(n, [r[f"{s}_{q}"] for r in rows], "o", color=color)
+            ax.plot(grid, f["coefficient"] * grid ** f["exponent"], "--", color=color,
+                    label=f"{label}: {f['coefficient']:.3g} N^{f['exponent']:+.4f}, R^2={f['r2']:.2f}")
+            part = next((f for f in below_best or [] if f["eval_set"] == s and f["quantity"] == q), None)
+            if part is not None:
+                g = grid[grid <= n[len(part["sizes"]) - 1] * 1.2]
+                ax.plot(g, part["coefficient"] * g ** part["exponent"], ":", color=color, lw=2,
+                        label=f"  up to {part['sizes'][-1]}: N^{part['exponent']:+.4f}, R^2={part['r2']:.2f}")
+        for r, x in zip(rows, n):
+            ax.annotate(r["size"], (x, r[f"{s}_cross_entropy"]), fontsize=7, textcoords="offset points", xytext=(0, 5))
+        ax.set(xscale="log", yscale="log", xlabel="parameters N", ylabel="nats (log scale)",
+               title=f"eval set '{s}': CE and Error-Entropy, power-law fits")
+        lo, hi = ax.get_ylim()  # a narrow range on a log axis has no labelled decade: label it linearly
+        ax.yaxis.set_minor_locator(NullLocator())
+        ax.set_yticks(np.geomspace(lo, hi, 6)[1:-1], [f"{t:.2f}" for t in np.geomspace(lo, hi, 6)[1:-1]])
+        ax.legend(fontsize=7)
+    ax = axes[2]
+    for s, style in zip(EVAL_SETS, ("-", "--")):
+        ax.plot(n, [r[f"{s}_self_alignment"] for r in rows], style, marker="^", color="C1", label=f"Self-Alignment ({s})")
+        ax.plot(n, [r[f"{s}_confidence"] for r in rows], style, marker="v", color="C2", label=f"Confidence ({s})")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.set(xscale="log", xlabel="parameters N", ylabel="nats",
+           title="the other two RBE components (CE = EE + SA - Conf)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> dict:
+    args, extra = parse_args(argv)
+    started = time.time()
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    if args.replot:
+        with open(os.path.join(out, "results.json")) as f:
+            previous = json.load(f)
+        return report(out, previous["rows"], previous["config"], started - previous["wall_seconds"])
+    options = dict(REDUCED if args.quick else DEFAULT)
+    if args.steps is not None:
+        options["max_steps"] = args.steps
+    tokenizer = prepare_tokenizer(out, options.pop("vocab_size"))
+    loss = ["--loss", "ce"] if args.loss == "ce" else ["--loss", "mhce", "--num_heads", str(args.num_heads)]
+    jobs, dirs = [], {}
+    for size in args.sizes:
+        dirs[size] = os.path.join(out, "runs", size)
+        jobs.append((size, ["--output_dir", dirs[size], "--tokenizer", tokenizer, *loss, "--seed", str(args.seed),
+                            *options_argv(model_options(size, args.head_dim)), *options_argv(options), *extra]))
+    cost = {s: model_options(s, args.head_dim)["hidden_size"] ** 2 * model_options(s, args.head_dim)["num_hidden_layers"]
+            for s in args.sizes}
+    jobs.sort(key=lambda j: -cost[j[0]])  # largest first
+    summaries = run_jobs(jobs, out, args.workers, args.threads)
+    rows = sorted((size_row(s, summaries[s], dirs[s]) for s in args.sizes), key=lambda r: r["parameters"])
+    config = {"quick": args.quick, "sizes": args.sizes, "head_dim": args.head_dim, "loss": args.loss,
+              "num_heads": args.num_heads if args.loss == "mhce" else 1, "seed": args.seed, "options": options,
+              "extra": extra, "workers": args.workers, "threads": args.threads, "tokenizer": tokenizer}
+    return report(out, rows, config, started)
+
+
+def report(out: str, rows: list[dict], config: dict, started: float) -> dict:
+    """Fits, verdict, results.json, table.md and the plot from the per-size rows; prints the table."""
+    fits = fit_all(rows)
+    below_best = fits_below_best(rows)
+    table = markdown_tables(rows, fits)
+    text = verdict(rows, fits, below_best)
+    result = {"config": config, "rows": rows, "fits": fits, "fits_below_best": below_best, "verdict": text,
+              "wall_seconds": round(time.time() - started, 1)}
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table + "\n\n" + text + "\n")
+    plot(rows, fits, os.path.join(out, "rbe_scaling.png"), below_best)
+    print(f"\nRBE scaling: {len(rows)} sizes, loss {config['loss']}, {config['options']['max_steps']} steps each, "
+          f"seed {config['seed']}; CE = EE + SA - Conf (nats); fits y = a N^b on log-log\n")
+    print(table)
+    print("\n" + text)
+    print(f"\nwrote {out}/table.md, results.json, rbe_scaling.png ({result['wall_seconds']:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
