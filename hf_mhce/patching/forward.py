@@ -25,6 +25,7 @@ from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_
 from .config import LossConfig
 from .families import LogitFacts, logit_transform
 from .head import effective_linear, resolve_head
+from .sharding import call_through
 
 STATE_ATTR = "_hf_mhce_patch"
 # Keywords the CausalLM forward consumes itself and must not pass to the decoder.
@@ -141,13 +142,17 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
         num_items_in_batch = num_items_in_batch.to(hidden.device)
     multiply, divide, softcap = logit_transform(model, state.facts)
     scale = (multiply or 1.0) / (divide or 1.0)
-    parts = resolve_head(model.get_output_embeddings())
-    x, w, b = effective_linear(parts, hidden, cfg.num_heads, scale)
-    options = dict(bias=b, ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
+    head = model.get_output_embeddings()
+    options = dict(ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
                    label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, softcap=softcap, backend=cfg.backend)
-    if cfg.loss == "mhce":
-        return multi_head_cross_entropy(x, w, shift_labels, cfg.num_heads, **options)
-    return linear_cross_entropy(x, w, shift_labels, **options)
+
+    def fused(hidden, shift_labels):  # reads the head inside the head's call: see sharding.py
+        x, w, b = effective_linear(resolve_head(head), hidden, cfg.num_heads, scale)
+        if cfg.loss == "mhce":
+            return multi_head_cross_entropy(x, w, shift_labels, cfg.num_heads, bias=b, **options)
+        return linear_cross_entropy(x, w, shift_labels, bias=b, **options)
+
+    return call_through(head, fused, hidden, shift_labels)
 
 
 def _logits(model, state, hidden):
@@ -157,8 +162,12 @@ def _logits(model, state, hidden):
     head = model.get_output_embeddings()
     if cfg.loss == "mhce":
         scale = (multiply or 1.0) / (divide or 1.0)
-        x, w, b = effective_linear(resolve_head(head), hidden, cfg.num_heads, scale)
-        return multi_head_logprobs(x, w, cfg.num_heads, bias=b, softcap=softcap)
+
+        def mixture(hidden):
+            x, w, b = effective_linear(resolve_head(head), hidden, cfg.num_heads, scale)
+            return multi_head_logprobs(x, w, cfg.num_heads, bias=b, softcap=softcap)
+
+        return call_through(head, mixture, hidden)
     logits = head(hidden)  # the module itself: every PEFT wrapper behaves as in the original
     if multiply is not None:
         logits = logits * multiply

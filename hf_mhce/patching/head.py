@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .sharding import check_gathered
+
 try:  # peft is a dependency, but the head logic must not fail where it is absent
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -65,7 +67,7 @@ def resolve_head(head: nn.Module) -> HeadParts:
             f"the LM head is wrapped by {type(head).__name__}; with the fused loss only LoRA (without "
             "variants such as DoRA) and modules_to_save are supported on the head"
         )
-    if isinstance(head, nn.Linear) and head.weight.dim() == 2:
+    if isinstance(head, nn.Linear):
         return HeadParts(head.weight, head.bias)
     raise UnsupportedHeadError(
         f"the LM head is a {type(head).__name__}, not an nn.Linear (or a PEFT LoRA / modules_to_save "
@@ -100,6 +102,7 @@ def effective_linear(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(hidden', weight', bias') with logits = hidden' weight'^T + bias' = scale * head(hidden), and
     the per-head slicing of hidden' / weight' matching the slicing of hidden / weight."""
+    check_parts(parts, hidden.shape[-1])
     weight, bias = parts.weight, parts.bias
     if parts.adapters:
         hidden, weight, bias = _fold_lora(parts, hidden, num_heads)
@@ -110,6 +113,17 @@ def effective_linear(
         hidden = hidden * scale
         bias = bias * scale if bias is not None else None
     return hidden, weight, bias
+
+
+def check_parts(parts: HeadParts, hidden_size: int) -> None:
+    """Every tensor of the head gathered and of the shape the hidden state needs (see sharding.py)."""
+    vocab = parts.weight.shape[0] if parts.weight.dim() == 2 else None
+    check_gathered("weight", parts.weight, (vocab, hidden_size) if vocab else None)
+    check_gathered("bias", parts.bias, (vocab,) if vocab else None)
+    for i, ad in enumerate(parts.adapters):
+        rank = ad.lora_a.weight.shape[0] if ad.lora_a.weight.dim() == 2 else None
+        check_gathered(f"LoRA A[{i}] weight", ad.lora_a.weight, (rank, hidden_size) if rank else None)
+        check_gathered(f"LoRA B[{i}] weight", ad.lora_b.weight, (vocab, rank) if rank and vocab else None)
 
 
 def _fold_lora(parts: HeadParts, hidden: torch.Tensor, num_heads: int):

@@ -3,27 +3,20 @@ process on the same evaluation data: counts exactly, floats to 1e-9; also for ev
 is not a multiple of the global batch (accelerate's padding rows are not counted)."""
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch_helpers import DISTRIBUTED_VARS, child_env, free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _single_process_reference(tmp_path, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in DISTRIBUTED_VARS:
         monkeypatch.delenv(var, raising=False)
     import dist_worker
 
@@ -48,12 +41,9 @@ def _assert_same(got: dict, ref: dict, what: str):
 
 def test_two_processes_match_one(tmp_path, monkeypatch):
     out = tmp_path / "dist.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
+    env = child_env(str(HERE), str(ROOT), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(HERE / "dist_worker.py"), str(out)]
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(HERE / "dist_worker.py"), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=str(tmp_path))
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     dist = json.loads(out.read_text())

@@ -1,0 +1,168 @@
+"""Memory and time of one distributed training step, patched vs unpatched (issue P5).
+
+    python benchmarks/distributed_step.py                       # 2 CPU processes (gloo), DDP and FSDP2
+    python benchmarks/distributed_step.py --vocab 32000 --seq 256 --wraps ddp
+
+Every configuration runs in its own pair of fresh processes (torch.multiprocessing, gloo): a Llama
+with a large vocabulary (default V=128256, the Llama-3 tokenizer's, hidden 256, 2 layers) is built
+with the same seed, wrapped (DDP, or FSDP2 with layers as units and the head in the root unit),
+optionally patched (hf_mhce CE, or MHCE with 4 heads), and trained for --steps steps of --batch rows x
+--seq tokens per process (forward, backward, AdamW step).  After one warm-up step, the peak resident
+set size (VmHWM, reset through /proc/self/clear_refs) above the RSS before the step is the step's
+extra memory; the time is the median step.  Reported per process (the maximum over the two).
+Writes benchmarks/results/distributed_step_cpu-<date>.json and .md.  CPU only (gloo); the GPU
+variant (NCCL, bf16) is owed to the device runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_mhce
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=cfg["vocab"], hidden_size=cfg["hidden"], num_hidden_layers=cfg["layers"],
+                                         intermediate_size=cfg["hidden"] * 8 // 3 // 32 * 32, num_attention_heads=4,
+                                         num_key_value_heads=4, max_position_embeddings=cfg["seq"]))
+    if cfg["mode"] == "ce":
+        hf_mhce.apply_patch(model, loss="ce")
+    elif cfg["mode"] == "mhce":
+        hf_mhce.apply_patch(model, loss="mhce", num_heads=4)
+    if cfg["wrap"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(1 + rank)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=g)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss.item()
+
+    step()  # warm-up: gradients, optimizer state, thread pools
+    baseline = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := current RSS
+    times, losses = [], []
+    for _ in range(cfg["steps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    row = {"rank": rank, "baseline_mb": baseline / 2**20, "extra_mb": (_status("VmHWM") - baseline) / 2**20,
+           "step_seconds": statistics.median(times), "loss": losses[-1]}
+    rows = [None] * world
+    dist.all_gather_object(rows, row)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(cfg: dict, world: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.spawn(_worker, args=(world, _free_port(), cfg, out), nprocs=world, join=True)
+        with open(out) as f:
+            rows = json.load(f)
+    return {**{k: cfg[k] for k in ("wrap", "mode")}, "extra_mb": max(r["extra_mb"] for r in rows),
+            "baseline_mb": max(r["baseline_mb"] for r in rows), "step_seconds": max(r["step_seconds"] for r in rows),
+            "loss": rows[0]["loss"], "per_rank": rows}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2, help="rows per process")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--wraps", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
+    p.add_argument("--modes", nargs="+", default=["unpatched", "ce", "mhce"], choices=["unpatched", "ce", "mhce"])
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = p.parse_args(argv)
+    shape = {k: getattr(args, k) for k in ("vocab", "hidden", "layers", "seq", "batch", "steps", "threads")}
+    rows = []
+    for wrap in args.wraps:
+        for mode in args.modes:
+            rows.append(run_config({**shape, "wrap": wrap, "mode": mode}, args.world))
+            print(f"{wrap:6s} {mode:9s} extra {rows[-1]['extra_mb']:8.1f} MB  step {rows[-1]['step_seconds']:.2f} s  "
+                  f"loss {rows[-1]['loss']:.4f}", flush=True)
+    today = datetime.date.today().isoformat()
+    tokens = args.batch * args.seq
+    logits_mb = tokens * args.vocab * 4 / 2**20
+    result = {"date": today, "device": f"CPU, {os.cpu_count()} cores, gloo", "torch": torch.__version__,
+              "world": args.world, **shape, "fp32_logits_mb_per_process": logits_mb, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"distributed_step_cpu-{today}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    lines = [f"# One distributed training step, patched vs unpatched ({today})", "",
+             f"{args.world} CPU processes (gloo), {args.threads} torch thread(s) each, torch {torch.__version__}; "
+             f"Llama V={args.vocab}, hidden {args.hidden}, {args.layers} layers; {args.batch} x {args.seq} tokens per "
+             f"process (fp32 logits would be {logits_mb:.0f} MB per process); forward + backward + AdamW step.  "
+             "Extra = peak RSS during the step above the RSS before it (max over processes); time = median of "
+             f"{args.steps} steps (max over processes).", "",
+             "| wrap | loss | extra memory MB | vs unpatched | step s | vs unpatched | loss value |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        base = next((b for b in rows if b["wrap"] == r["wrap"] and b["mode"] == "unpatched"), None)
+        mem = f"{r['extra_mb'] / base['extra_mb']:.2f}x" if base else "-"
+        tim = f"{r['step_seconds'] / base['step_seconds']:.2f}x" if base else "-"
+        lines.append(f"| {r['wrap']} | {r['mode']} | {r['extra_mb']:.0f} | {mem} | {r['step_seconds']:.2f} | {tim} | "
+                     f"{r['loss']:.4f} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The fused loss under FSDP2 (two CPU processes, gloo): the head in the root unit, the head as its
+own unit (a sharded DTensor outside its call), PEFT LoRA on attention and lm_head with every LoRA
+matrix its own unit; loss and gradients equal the single-process run.  Plus the guards: a sharded or
+empty head weight that reaches the fused op is an error naming the problem, never a wrong number."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launch_helpers import child_env, free_port
+from patching_models import batch, make_model
+
+import hf_mhce
+from hf_mhce.patching import sharding
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp")
+    env = child_env(str(HERE), str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(HERE / "sharding_worker.py"),
+           str(tmp / "dist.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=str(tmp))
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    single = subprocess.run([sys.executable, str(HERE / "sharding_worker.py"), str(tmp / "single.json")],
+                            capture_output=True, text=True, env=env, timeout=240, cwd=str(tmp))
+    assert single.returncode == 0, single.stderr[-4000:]
+    return json.loads((tmp / "dist.json").read_text()), json.loads((tmp / "single.json").read_text())
+
+
+def _assert_step_equal(got: dict, ref: dict, what: str, rtol: float = 1e-5):
+    assert got["loss"] == pytest.approx(ref["loss"], rel=rtol), what
+    assert got["grads"].keys() == ref["grads"].keys(), (what, sorted(got["grads"].keys() ^ ref["grads"].keys()))
+    for name, values in ref["grads"].items():
+        r, g = torch.tensor(values, dtype=torch.float64), torch.tensor(got["grads"][name], dtype=torch.float64)
+        assert r.abs().max() > 0, f"{what} {name}: zero reference gradient"
+        torch.testing.assert_close(g, r, rtol=rtol, atol=rtol * r.abs().max().item(), msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["fsdp_root_ce", "fsdp_root_mhce", "fsdp_head_ce", "fsdp_head_mhce",
+                                  "fsdp_lora_ce", "fsdp_lora_mhce"])
+def test_fsdp2_matches_single_process(runs, case):
+    dist, single = runs
+    _assert_step_equal(dist[case], single[case], case)
+    if "lora" in case:  # LoRA on lm_head trains: its matrices get gradients, through the fused loss
+        assert any("lm_head.lora_B" in n for n in dist[case]["grads"])
+
+
+@pytest.mark.timeout(300)
+def test_patched_ce_matches_unpatched_reference(runs):
+    _, single = runs
+    _assert_step_equal(single["fsdp_root_ce"], single["unpatched"], "patched vs unpatched")
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_head_unit_read_directly_is_an_error(runs):
+    """What peers do (read lm_head.weight without its unit's hooks) sees a DTensor shard: we raise."""
+    dist, _ = runs
+    assert dist["unguarded"]["error"] and "sharded DTensor" in dist["unguarded"]["error"]
+
+
+def test_empty_partitioned_weight_is_an_error():
+    """ZeRO-3 leaves an empty placeholder outside the owning module's call: never computed on."""
+    model = hf_mhce.apply_patch(make_model("llama"), loss="mhce", num_heads=2)
+    model.lm_head.weight = torch.nn.Parameter(torch.empty(0))
+    ids, labels = batch()
+    with pytest.raises(sharding.ShardedHeadError, match=r"shape \(0,\).*ZeRO-3"):
+        model(input_ids=ids, labels=labels)
+
+
+def test_call_through_runs_inside_hooked_modules():
+    """A module marked as owning sharded parameters (a ZeRO-3 ds_id) gets its forward hooks run
+    around the loss, innermost module doing the work; the original forward is restored after."""
+    model = hf_mhce.apply_patch(make_model("llama"), loss="ce")
+    ref = hf_mhce.apply_patch(make_model("llama"), loss="ce")
+    ids, labels = batch()
+    calls = []
+    model.lm_head.weight.ds_id = 7  # looks partitioned to call_through
+    model.lm_head.register_forward_pre_hook(lambda m, args: calls.append(("pre", args[0].shape)))
+    model.lm_head.register_forward_hook(lambda m, args, out: calls.append(("post", out.shape)))
+    forward_before = model.lm_head.forward
+    loss = model(input_ids=ids, labels=labels).loss
+    assert calls == [("pre", torch.Size([2, 12, 32])), ("post", torch.Size([]))]
+    assert "forward" not in model.lm_head.__dict__ and model.lm_head.forward == forward_before
+    torch.testing.assert_close(loss, ref(input_ids=ids, labels=labels).loss)
