@@ -27,14 +27,7 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from proc_memory import reset_peak, status_bytes
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
@@ -78,23 +71,24 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         return loss.item()
 
     step()  # warm-up: gradients, optimizer state, thread pools
-    baseline = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := current RSS
+    baseline = reset_peak()
     times, losses = [], []
     for _ in range(cfg["steps"]):
         dist.barrier()
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
-    row = {"rank": rank, "baseline_mb": baseline / 2**20, "extra_mb": (_status("VmHWM") - baseline) / 2**20,
+    row = {"rank": rank, "baseline_mb": baseline / 2**20, "extra_mb": (status_bytes("VmHWM") - baseline) / 2**20,
            "step_seconds": statistics.median(times), "loss": losses[-1]}
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
-    dist.destroy_process_group()
+    dist.barrier()
+    # Leave without tearing down: freeing the DDP reducer after the step sometimes deadlocks inside
+    # ProcessGroupGloo's destructor (torch 2.13: a gloo worker thread waits for the GIL to free a tensor).
+    os._exit(0)
 
 
 def _free_port() -> int:
