@@ -23,3 +23,20 @@ def child_env(*pythonpath: str, **extra: str) -> dict[str, str]:
     for var in DISTRIBUTED_VARS:
         env.pop(var, None)
     return env
+
+
+def run_worker_pair(worker, tmp, env: dict[str, str], timeout: int = 400) -> tuple[dict, dict]:
+    """Run ``worker OUT_JSON`` under torch.distributed.run with 2 processes, then alone (its
+    single-process reference); returns the two JSON results (rank 0's, and the single run's)."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(worker), str(tmp / "dist.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=str(tmp))
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-5000:])
+    single = subprocess.run([sys.executable, str(worker), str(tmp / "single.json")],
+                            capture_output=True, text=True, env=env, timeout=timeout, cwd=str(tmp))
+    assert single.returncode == 0, single.stderr[-4000:]
+    return json.loads((tmp / "dist.json").read_text()), json.loads((tmp / "single.json").read_text())

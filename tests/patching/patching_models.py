@@ -78,3 +78,12 @@ def token_dataset(n: int, seq: int = 16, vocab: int = VOCAB, seed: int = 0, ragg
             labels[: int(torch.randint(0, seq - 2, (1,), generator=g))] = -100
         rows.append({"input_ids": ids, "labels": labels})
     return rows
+
+
+def assert_step_equal(got: dict, ref: dict, what: str, rtol: float = 1e-5):
+    """Loss and every gradient of one step (JSON lists) equal, and no reference gradient is zero."""
+    assert abs(got["loss"] - ref["loss"]) <= rtol * abs(ref["loss"]), (what, got["loss"], ref["loss"])
+    for name, values in ref["grads"].items():
+        assert any(values), f"{what} {name}: zero reference gradient"
+    as_tensors = lambda step: {n: torch.tensor(v, dtype=torch.float64) for n, v in step["grads"].items()}  # noqa: E731
+    assert_grads_close(as_tensors(ref), as_tensors(got), rtol=rtol)

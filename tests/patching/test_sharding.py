@@ -3,15 +3,12 @@ own unit (a sharded DTensor outside its call), PEFT LoRA on attention and lm_hea
 matrix its own unit; loss and gradients equal the single-process run.  Plus the guards: a sharded or
 empty head weight that reaches the fused op is an error naming the problem, never a wrong number."""
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch_helpers import child_env, free_port
-from patching_models import batch, make_model
+from launch_helpers import child_env, run_worker_pair
+from patching_models import assert_step_equal, batch, make_model
 
 import hf_mhce
 from hf_mhce.patching import sharding
@@ -22,26 +19,7 @@ ROOT = HERE.parent.parent
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp")
-    env = child_env(str(HERE), str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(HERE / "sharding_worker.py"),
-           str(tmp / "dist.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=str(tmp))
-    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
-    single = subprocess.run([sys.executable, str(HERE / "sharding_worker.py"), str(tmp / "single.json")],
-                            capture_output=True, text=True, env=env, timeout=240, cwd=str(tmp))
-    assert single.returncode == 0, single.stderr[-4000:]
-    return json.loads((tmp / "dist.json").read_text()), json.loads((tmp / "single.json").read_text())
-
-
-def _assert_step_equal(got: dict, ref: dict, what: str, rtol: float = 1e-5):
-    assert got["loss"] == pytest.approx(ref["loss"], rel=rtol), what
-    assert got["grads"].keys() == ref["grads"].keys(), (what, sorted(got["grads"].keys() ^ ref["grads"].keys()))
-    for name, values in ref["grads"].items():
-        r, g = torch.tensor(values, dtype=torch.float64), torch.tensor(got["grads"][name], dtype=torch.float64)
-        assert r.abs().max() > 0, f"{what} {name}: zero reference gradient"
-        torch.testing.assert_close(g, r, rtol=rtol, atol=rtol * r.abs().max().item(), msg=lambda m: f"{what} {name}: {m}")
+    return run_worker_pair(HERE / "sharding_worker.py", tmp_path_factory.mktemp("fsdp"), child_env(str(HERE), str(ROOT)))
 
 
 @pytest.mark.timeout(300)
@@ -49,7 +27,7 @@ def _assert_step_equal(got: dict, ref: dict, what: str, rtol: float = 1e-5):
                                   "fsdp_lora_ce", "fsdp_lora_mhce"])
 def test_fsdp2_matches_single_process(runs, case):
     dist, single = runs
-    _assert_step_equal(dist[case], single[case], case)
+    assert_step_equal(dist[case], single[case], case)
     if "lora" in case:  # LoRA on lm_head trains: its matrices get gradients, through the fused loss
         assert any("lm_head.lora_B" in n for n in dist[case]["grads"])
 
@@ -57,7 +35,7 @@ def test_fsdp2_matches_single_process(runs, case):
 @pytest.mark.timeout(300)
 def test_patched_ce_matches_unpatched_reference(runs):
     _, single = runs
-    _assert_step_equal(single["fsdp_root_ce"], single["unpatched"], "patched vs unpatched")
+    assert_step_equal(single["fsdp_root_ce"], single["unpatched"], "patched vs unpatched")
 
 
 @pytest.mark.timeout(300)
