@@ -1,0 +1,262 @@
+"""hf_mhce against HF eager, torch.compile, Liger-Kernel and Cut Cross-Entropy (issue P6).
+
+    python benchmarks/peers.py                               # GPU: the three heads, N = 4096 / 16384 / 32768, bf16
+    python benchmarks/peers.py --shapes llama3 --tokens 8192 --variants hf_eager hf_mhce_ce cce
+    TRITON_INTERPRET=1 python benchmarks/peers.py --device cpu --small    # checks the harness itself
+
+For every shape (head D x V, tokens N) and variant: median time of the forward, the backward and
+forward+backward (triton.testing.do_bench on CUDA: warm-up, L2 flushed between runs; inputs rotated
+over --rotate sets so that no run reuses the previous run's cached inputs), and the peak memory
+allocated above the inputs.  Beside each row: the floor, 6NDV FLOPs (2NDV forward) at the bf16
+matmul rate measured here in the same run (a plain [N, D] x [D, V] product), and the memory lower
+bound X + W + dX + dW; ratios to the floor and to every peer.  A variant that cannot run here (a
+peer not installed, a CUDA-only kernel on CPU) is a row that says why, never a silent gap.
+
+Variants (bf16 inputs, float32 loss):
+  hf_eager          logits = x W^T in bf16, upcast, F.cross_entropy (what transformers does)
+  compile_chunked   torch.compile'd chunks of 4096 tokens, each checkpointed (logits recomputed)
+  liger             Liger-Kernel's fused linear cross-entropy
+  cce / cce_exact   Cut Cross-Entropy's linear_cross_entropy, default impl and "cce_exact"
+  hf_mhce_ce        hf_mhce.linear_cross_entropy
+  hf_mhce_mhce4/8   hf_mhce.multi_head_cross_entropy with H = 4 / 8
+  hf_mhce_ranks     hf_mhce CE forward under collect_ranks (evaluation: forward only)
+Writes benchmarks/results/<device>-<date>-peers.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"gpt2": (768, 50257), "mistral7b": (4096, 32768), "llama3": (4096, 128256)}
+SMALL = {"gpt2": (48, 1031)}  # --small: the harness itself on CPU / under the interpreter
+PEERS = ("hf_eager", "compile_chunked", "liger", "cce", "cce_exact")
+OURS = ("hf_mhce_ce", "hf_mhce_mhce4", "hf_mhce_mhce8", "hf_mhce_ranks")
+
+
+class Unavailable(Exception):
+    """This variant cannot run here; the message says why (it becomes the row's note)."""
+
+
+def _chunked_ce(x, w, labels, chunk=4096):
+    from torch.utils.checkpoint import checkpoint
+
+    def piece(xc, yc):
+        return F.cross_entropy((xc @ w.T).float(), yc, ignore_index=-100, reduction="sum")
+
+    total = sum(checkpoint(piece, x[i:i + chunk], labels[i:i + chunk], use_reentrant=False)
+                for i in range(0, x.shape[0], chunk))
+    return total / (labels != -100).sum()
+
+
+def make_variant(name: str, device: torch.device):
+    """A function (x, w, labels) -> scalar loss, plus whether it is forward-only."""
+    import hf_mhce
+
+    if name == "hf_eager":
+        return (lambda x, w, y: F.cross_entropy((x @ w.T).float(), y, ignore_index=-100)), False
+    if name == "compile_chunked":
+        if device.type != "cuda":
+            raise Unavailable("torch.compile benchmarked on CUDA only")
+        return torch.compile(_chunked_ce), False
+    if name == "liger":
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        except ImportError as err:
+            raise Unavailable(f"liger-kernel not installed ({err})") from None
+        if device.type != "cuda":
+            raise Unavailable("Liger's kernels need CUDA tensors")
+        fn = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+        return (lambda x, w, y: fn(w, x, y)), False
+    if name in ("cce", "cce_exact"):
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce
+        except ImportError as err:
+            raise Unavailable(f"cut-cross-entropy not installed ({err})") from None
+        if device.type != "cuda":
+            raise Unavailable("Cut Cross-Entropy's kernels need CUDA tensors")
+        impl = "cce_exact" if name == "cce_exact" else "cce"
+        return (lambda x, w, y: cce(x, w, y, impl=impl)), False
+    if name == "hf_mhce_ce":
+        return (lambda x, w, y: hf_mhce.linear_cross_entropy(x, w, y, backend="triton")), False
+    if name.startswith("hf_mhce_mhce"):
+        heads = int(name.removeprefix("hf_mhce_mhce"))
+        return (lambda x, w, y: hf_mhce.multi_head_cross_entropy(x, w, y, heads, backend="triton")), False
+    if name == "hf_mhce_ranks":  # what RBECallback does in evaluation: ranks from the same sweep
+        from hf_mhce.losses import collect_ranks
+        from hf_mhce.rbe.stats import RBEStats
+
+        def ranked(x, w, y):
+            stats = RBEStats(w.shape[0], device=x.device)
+            with collect_ranks(stats.add):
+                return hf_mhce.linear_cross_entropy(x, w, y, backend="triton")
+        return ranked, True
+    raise ValueError(f"unknown variant {name!r}")
+
+
+def inputs(n, d, v, device, dtype, rotate, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    sets = []
+    for _ in range(rotate):
+        x = (torch.randn(n, d, generator=g) / d ** 0.25).to(device, dtype)
+        y = torch.randint(0, v, (n,), generator=g)
+        y[torch.rand(n, generator=g) < 0.05] = -100
+        sets.append((x, y.to(device)))
+    w = (torch.randn(v, d, generator=g) / d ** 0.25).to(device, dtype)
+    return w, sets
+
+
+class Timer:
+    """Median milliseconds of fn(): do_bench on CUDA (L2 flushed), perf_counter elsewhere."""
+
+    def __init__(self, device, reps):
+        self.device, self.reps = device, reps
+
+    def __call__(self, fn) -> float:
+        if self.device.type == "cuda":
+            import triton.testing
+
+            return float(triton.testing.do_bench(fn, warmup=25, rep=max(100, 20 * self.reps), return_mode="median"))
+        fn()
+        times = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
+
+
+def matmul_rate(n, d, v, device, dtype, timer) -> float:
+    """FLOP/s of one [N, D] x [D, V] product, the unit of the floor."""
+    a = torch.randn(n, d, device=device, dtype=dtype)
+    b = torch.randn(v, d, device=device, dtype=dtype)
+    ms = timer(lambda: a @ b.T)
+    return 2 * n * d * v / (ms / 1000)
+
+
+def measure(fn, forward_only, w, sets, timer, device) -> dict:
+    it = iter(range(1 << 62))
+
+    def pick():
+        return sets[next(it) % len(sets)]
+
+    def fwd():
+        x, y = pick()
+        with torch.no_grad():
+            fn(x, w, y)
+
+    def fwd_bwd():
+        x, y = pick()
+        x.requires_grad_(True)
+        w.requires_grad_(True)
+        fn(x, w, y).backward()
+        x.grad = w.grad = None
+
+    row = {"fwd_ms": timer(fwd)}
+    if not forward_only:
+        row["fwd_bwd_ms"] = timer(fwd_bwd)
+        row["bwd_ms"] = max(row["fwd_bwd_ms"] - row["fwd_ms"], 0.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fwd_bwd()
+            torch.cuda.synchronize()
+            row["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return row
+
+
+def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dict]:
+    timer = Timer(device, reps)
+    rate = matmul_rate(n, d, v, device, dtype, timer)
+    w, sets = inputs(n, d, v, device, dtype, rotate)
+    elem = torch.finfo(dtype).bits // 8
+    floor = {"fwd_ms": 1000 * 2 * n * d * v / rate, "fwd_bwd_ms": 1000 * 6 * n * d * v / rate,
+             "lower_bound_mb": 2 * (n * d + v * d) * elem / 2**20}  # X, W, dX, dW
+    rows = []
+    x0, y0 = sets[0]
+    with torch.no_grad():  # every variant's loss beside HF's: a fast wrong answer is no result
+        reference = F.cross_entropy((x0 @ w.T).float(), y0, ignore_index=-100).item()
+    for name in variants:
+        row = {"shape": label, "D": d, "V": v, "N": n, "variant": name, **{f"floor_{k}": x for k, x in floor.items()}}
+        try:
+            fn, forward_only = make_variant(name, device)
+            with torch.no_grad():
+                row["loss_rel_err"] = abs(float(fn(x0, w, y0)) - reference) / abs(reference)
+            row.update(measure(fn, forward_only, w, sets, timer, device))
+            row["vs_floor"] = row.get("fwd_bwd_ms", row["fwd_ms"]) / floor["fwd_bwd_ms" if "fwd_bwd_ms" in row else "fwd_ms"]
+            if "peak_extra_mb" in row:
+                # inputs X, W are allocated before; the bound on what the step adds is dX + dW
+                row["mem_vs_bound"] = row["peak_extra_mb"] / (floor["lower_bound_mb"] / 2)
+        except Unavailable as why:
+            row["note"] = str(why)
+        except torch.cuda.OutOfMemoryError:
+            row["note"] = "out of memory"
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], device_name: str, today: str) -> str:
+    lines = [f"# Fused cross-entropy vs peers on {device_name} ({today})", "",
+             "Times in ms (median); floor = 6NDV (fwd+bwd) or 2NDV (fwd) FLOPs at the matmul rate measured in the "
+             "same run; memory = peak allocated above the inputs vs dX + dW; loss vs HF = relative difference from "
+             "hf_eager's loss on the same inputs (MHCE is a different loss: its row shows how different).", ""]
+    for shape in dict.fromkeys((r["shape"], r["N"]) for r in rows):
+        group = [r for r in rows if (r["shape"], r["N"]) == shape]
+        g0 = group[0]
+        lines += [f"## {shape[0]} (D={g0['D']}, V={g0['V']}), N={shape[1]}: floor {g0['floor_fwd_bwd_ms']:.2f} ms "
+                  f"fwd+bwd, {g0['floor_fwd_ms']:.2f} ms fwd", "",
+                  "| variant | fwd | bwd | fwd+bwd | x floor | peak extra MB | x bound | x hf_mhce_ce | loss vs HF | note |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        ours = next((r for r in group if r["variant"] == "hf_mhce_ce" and "fwd_bwd_ms" in r), None)
+        for r in group:
+            def f(key, fmt=".2f"):
+                return format(r[key], fmt) if key in r else "-"
+            rel = (f"{r['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}" if ours and "fwd_bwd_ms" in r else "-")
+            lines.append(f"| {r['variant']} | {f('fwd_ms')} | {f('bwd_ms')} | {f('fwd_bwd_ms')} | {f('vs_floor')} | "
+                         f"{f('peak_extra_mb', '.0f')} | {f('mem_vs_bound')} | {rel} | {f('loss_rel_err', '.1e')} | "
+                         f"{r.get('note', '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--variants", nargs="+", default=[*PEERS, *OURS], choices=[*PEERS, *OURS])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--rotate", type=int, default=3, help="input sets cycled through (cache fairness)")
+    p.add_argument("--small", action="store_true", help="tiny shapes: validates the harness on CPU")
+    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    args = p.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    shapes = SMALL if args.small else {k: SHAPES[k] for k in args.shapes}
+    tokens = [37, 64] if args.small else args.tokens
+    rows = [r for label, (d, v) in shapes.items() for n in tokens
+            for r in run_shape(label, d, v, n, args.variants, device, dtype, args.reps, args.rotate)]
+    name = torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else "cpu"
+    today = datetime.date.today().isoformat()
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{name}-{today}-peers" + ("-small" if args.small else ""))
+    with open(stem + ".json", "w") as f:
+        json.dump(rows, f, indent=2)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(rows, name, today))
+    print(markdown(rows, name, today))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
