@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 from ..losses import collect_ranks
 from ..losses.collect import active_sink
 from ..patching import CONFIG_KEY, add_card_section, is_patched
+from .replicas import check_replicas_in_sync
 from .stats import RBEStats
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,16 @@ class RBECallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self._plot_dir = os.path.join(args.output_dir, "rbe")
         self._attach(model)  # added with trainer.add_callback, or a model_init model
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        # Metrics summed across processes assume one model: checked after the first two steps (a
+        # warm-up may give the first a zero learning rate) and at every evaluation during training.
+        if state.global_step <= 2 and args.world_size > 1 and model is not None:
+            check_replicas_in_sync(model)
+
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if state.global_step > 0 and args.world_size > 1 and model is not None:
+            check_replicas_in_sync(model)
 
     def on_prediction_step(self, args, state, control, model=None, eval_dataloader=None, **kwargs):
         if self._model is None and model is not None:
