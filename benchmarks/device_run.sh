@@ -2,16 +2,19 @@
 # Everything owed to a GPU, in one call of the device tool (results land in $OUT, then are copied
 # into benchmarks/results/ and committed with date and device):
 #   run(command="bash benchmarks/device_run.sh", carry=[".whl"])
-# .whl/ (git-ignored) holds the peers' wheels, fetched beforehand on a machine with PyPI:
-#   pip download --no-deps -d .whl liger-kernel cut-cross-entropy
-set -euo pipefail
+# The device image has torch, triton, transformers, peft and accelerate but no network: hf_mhce runs
+# from the checkout (PYTHONPATH), and the peers travel as wheels in .whl/ (git-ignored), fetched
+# beforehand where PyPI is reachable:  pip download --no-deps -d .whl liger-kernel cut-cross-entropy
+set -uo pipefail  # no -e: one failing step must not cost the others (failures.txt says which)
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
-python -m pip install -q -e ".[test]" 2>&1 | tail -1 || true
-python -m pip install -q --no-deps .whl/*.whl 2>&1 | tail -1 || true
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || echo "peer wheels not installed" >> "$OUT/failures.txt"
+export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 # 1. kernels vs float64 at LLM shapes (P1), and N*V > 2^31
-python benchmarks/gpu_suite.py --out "$OUT" 2>&1 | tail -20
-python benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16 --out "$OUT" 2>&1 | tail -5
+python3 benchmarks/gpu_suite.py --out "$OUT" 2>&1 | tee -a "$OUT/log.txt" || echo "gpu_suite failed" >> "$OUT/failures.txt"
+python3 benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16 --out "$OUT" 2>&1 | tee -a "$OUT/log.txt" \
+  || echo "gpu_suite N*V > 2^31 failed" >> "$OUT/failures.txt"
 # 2. peers (P6)
-python benchmarks/peers.py --out "$OUT" 2>&1 | tail -60
+python3 benchmarks/peers.py --out "$OUT" 2>&1 | tee -a "$OUT/log.txt" || echo "peers failed" >> "$OUT/failures.txt"

@@ -199,7 +199,11 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
             row["note"] = str(why)
         except torch.cuda.OutOfMemoryError:
             row["note"] = "out of memory"
-            torch.cuda.empty_cache()
+        except Exception as err:  # one broken peer must not cost the whole (one-shot) device run
+            row["note"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
