@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from records import write_record
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {"eager": {}, "ce": {"loss": "ce"}, "mhce4": {"loss": "mhce", "num_heads": 4}, "no_head": {}}
 
@@ -110,10 +112,6 @@ def main(argv=None) -> dict:
     result = {"date": today, "device": f"CPU, {os.cpu_count()} cores", "threads": args.threads,
               **{k: getattr(args, k) for k in ("vocab", "hidden", "layers", "tokens", "seq", "steps")},
               "targets": {"peak_rss_vs_eager": 0.25, "time_vs_eager": 1.2}, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"cpu_llama_step-{today}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
     eager = next((r for r in rows if r["variant"] == "eager"), None)
     lines = [f"# One training step of a mini Llama, V={args.vocab}, N={args.tokens} tokens, CPU ({today})", "",
              f"{os.cpu_count()} CPUs, {args.threads} torch threads; hidden {args.hidden}, {args.layers} layers "
@@ -129,9 +127,7 @@ def main(argv=None) -> dict:
         lines.append(f"| {r['variant']} | {r['process_peak_mb']:.0f} | {ratio('process_peak_mb')} | "
                      f"{r['rss_before_steps_mb']:.0f} | {r['step_extra_mb']:.0f} | "
                      f"{ratio('step_extra_mb')} | {r['step_seconds']:.2f} | {ratio('step_seconds')} | {r['loss']:.4f} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_record(args.out, f"cpu_llama_step-{today}", result, "\n".join(lines))
     return result
 
 

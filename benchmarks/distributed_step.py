@@ -28,6 +28,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 from proc_memory import reset_peak, status_bytes
+from records import write_record
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
@@ -134,10 +135,6 @@ def main(argv=None) -> dict:
     logits_mb = tokens * args.vocab * 4 / 2**20
     result = {"date": today, "device": f"CPU, {os.cpu_count()} cores, gloo", "torch": torch.__version__,
               "world": args.world, **shape, "fp32_logits_mb_per_process": logits_mb, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"distributed_step_cpu-{today}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
     lines = [f"# One distributed training step, patched vs unpatched ({today})", "",
              f"{args.world} CPU processes (gloo), {args.threads} torch thread(s) each, torch {torch.__version__}; "
              f"Llama V={args.vocab}, hidden {args.hidden}, {args.layers} layers; {args.batch} x {args.seq} tokens per "
@@ -152,9 +149,7 @@ def main(argv=None) -> dict:
         tim = f"{r['step_seconds'] / base['step_seconds']:.2f}x" if base else "-"
         lines.append(f"| {r['wrap']} | {r['mode']} | {r['extra_mb']:.0f} | {mem} | {r['step_seconds']:.2f} | {tim} | "
                      f"{r['loss']:.4f} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_record(args.out, f"distributed_step_cpu-{today}", result, "\n".join(lines))
     return result
 
 

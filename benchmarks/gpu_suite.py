@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from records import write_record
 
 from hf_mhce import multi_head_cross_entropy
 
@@ -103,17 +104,12 @@ def main():
             rows.append(row)
             print(json.dumps(row))
     stamp = f"{name}-{datetime.date.today().isoformat()}-gpu-suite"
-    os.makedirs(args.out, exist_ok=True)
     keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"# GPU suite: N={args.tokens}, V={args.vocab}, D={args.hidden} on {name}", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(f"{r.get(k, ''):.3g}" if isinstance(r.get(k), float) else str(r.get(k, ""))
                                 for k in keys) + " |" for r in rows]
-    with open(os.path.join(args.out, stamp + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(args.out, stamp + ".json"), "w") as f:
-        json.dump(rows, f, indent=2)
-    print("\n".join(lines))
+    write_record(args.out, stamp, rows, "\n".join(lines))
 
 
 if __name__ == "__main__":

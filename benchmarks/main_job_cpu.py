@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from records import write_record
+
 
 def run_once(extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as out:
@@ -60,10 +62,6 @@ def main(argv=None) -> dict:
 
     result["machine"]["torch"] = torch.__version__
     result["machine"]["torch_threads"] = torch.get_num_threads()
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"main_job_cpu-{today}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
     lines = [f"# hf-mhce train (embedded default{' + ' + ' '.join(extra) if extra else ''}), {today}", "",
              f"{os.cpu_count()} CPUs ({result['machine']['processor']}), torch {torch.__version__}, "
              f"Python {result['machine']['python']}; target <= 180 s wall.", "",
@@ -73,9 +71,7 @@ def main(argv=None) -> dict:
         losses = ", ".join(f"{k[5:-5]} {v:.3f}" for k, v in r["final_eval"].items())
         lines.append(f"| {i} | {r['wall_seconds']} | {r['user_seconds']} | {r['system_seconds']} | "
                      f"{r['train_runtime']:.1f} | {r['max_rss_mb']} | {r['load_average_before']:.2f} | {losses} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_record(args.out, f"main_job_cpu-{today}", result, "\n".join(lines))
     return result
 
 

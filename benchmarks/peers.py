@@ -34,6 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from records import write_record
 
 SHAPES = {"gpt2": (768, 50257), "mistral7b": (4096, 32768), "llama3": (4096, 128256)}
 SMALL = {"gpt2": (48, 1031)}  # --small: the harness itself on CPU / under the interpreter
@@ -252,13 +253,7 @@ def main(argv=None) -> list[dict]:
             for r in run_shape(label, d, v, n, args.variants, device, dtype, args.reps, args.rotate)]
     name = torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else "cpu"
     today = datetime.date.today().isoformat()
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{name}-{today}-peers" + ("-small" if args.small else ""))
-    with open(stem + ".json", "w") as f:
-        json.dump(rows, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(rows, name, today))
-    print(markdown(rows, name, today))
+    write_record(args.out, f"{name}-{today}-peers" + ("-small" if args.small else ""), rows, markdown(rows, name, today))
     return rows
 
 

@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
+from reporting import save_figure, write_report
+
 from hf_mhce.train import DataArguments, LoraArguments, ModelArguments, TrainArguments
 
 # Pure-Python standard-library modules for the default fine-tuning data (none of them is in the
@@ -238,11 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if trainer.is_world_process_zero():
         table = markdown_table(rows)
-        os.makedirs(example.out, exist_ok=True)
-        with open(os.path.join(example.out, "results.json"), "w") as f:
-            json.dump(result, f, indent=2, default=float)
-        with open(os.path.join(example.out, "table.md"), "w") as f:
-            f.write(table + "\n")
+        write_report(example.out, result, table, default=float)
         plot(rows, rbe.history, os.path.join(example.out, "finetune.png"))
         heads = f" H={loss_config['num_heads']}" if loss_config["loss"] == "mhce" else ""
         print(f"\nfine-tuned {model_args.model} ({loss_config['loss']}{heads}; {trainable / 1e6:.3f}M of "
@@ -299,10 +297,7 @@ def plot(rows: list[dict], history: list[dict], path: str) -> str:
     ax.axhline(0, color="grey", lw=0.5)
     ax.set(title="RBE decomposition before / after", ylabel="nats")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -60,13 +60,13 @@ enough to compensate.  Out of domain (code) H=2 and H=4 are within seed noise of
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import time
 
 from parallel_runs import options_argv, prepare_tokenizer, run_jobs
+from reporting import load_results, save_figure, write_report
 
 # The model and schedule of every run (hf-mhce train options); --quick replaces them by REDUCED.
 DEFAULT = {
@@ -251,10 +251,7 @@ def plot(summary: list[dict], rows: list[dict], path: str) -> str:
                     label=f"H={h}" if r["seed"] == rows[0]["seed"] else None)
     ax.set(title="eval loss on docs during training (every seed)", xlabel="step", ylabel="nats")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
@@ -263,8 +260,7 @@ def main(argv=None) -> dict:
     out = args.out
     os.makedirs(out, exist_ok=True)
     if args.replot:
-        with open(os.path.join(out, "results.json")) as f:
-            previous = json.load(f)
+        previous = load_results(out)
         return report(out, [{**r, "curve": [tuple(c) for c in r["curve"]]} for r in previous["runs"]],
                       previous["config"], started - previous["wall_seconds"])
     options = dict(REDUCED if args.quick else DEFAULT)
@@ -294,10 +290,7 @@ def report(out: str, rows: list[dict], config: dict, started: float) -> dict:
     text = verdict(summary, len(config["seeds"]))
     result = {"config": config, "runs": rows, "summary": summary, "verdict": text,
               "wall_seconds": round(time.time() - started, 1)}
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(table + "\n\n" + text + "\n")
+    write_report(out, result, table, text)
     plot(summary, rows, os.path.join(out, "mhce_vs_ce.png"))
     print(f"\nMHCE vs CE: {config['parameters'] / 1e6:.2f}M parameters, {config['options']['max_steps']} steps, "
           f"seeds {config['seeds']}; perplexity = exp(eval loss) under each model's own distribution; "

@@ -66,6 +66,7 @@ import os
 import time
 
 from parallel_runs import options_argv, prepare_tokenizer, run_jobs
+from reporting import load_results, save_figure, write_report
 
 DEFAULT_SIZES = ["16x1", "24x1", "32x1", "48x1", "64x2", "96x2", "128x3", "192x4", "256x5", "384x6"]
 QUICK_SIZES = ["16x1", "24x1", "32x1", "32x2", "48x2"]
@@ -278,10 +279,7 @@ def plot(rows: list[dict], fits: list[dict], path: str, below_best: list[dict] |
     ax.set(xscale="log", xlabel="parameters N", ylabel="nats",
            title="the other two RBE components (CE = EE + SA - Conf)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
@@ -290,8 +288,7 @@ def main(argv=None) -> dict:
     out = args.out
     os.makedirs(out, exist_ok=True)
     if args.replot:
-        with open(os.path.join(out, "results.json")) as f:
-            previous = json.load(f)
+        previous = load_results(out)
         return report(out, previous["rows"], previous["config"], started - previous["wall_seconds"])
     options = dict(REDUCED if args.quick else DEFAULT)
     if args.steps is not None:
@@ -322,10 +319,7 @@ def report(out: str, rows: list[dict], config: dict, started: float) -> dict:
     text = verdict(rows, fits, below_best)
     result = {"config": config, "rows": rows, "fits": fits, "fits_below_best": below_best, "verdict": text,
               "wall_seconds": round(time.time() - started, 1)}
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(table + "\n\n" + text + "\n")
+    write_report(out, result, table, text)
     plot(rows, fits, os.path.join(out, "rbe_scaling.png"), below_best)
     print(f"\nRBE scaling: {len(rows)} sizes, loss {config['loss']}, {config['options']['max_steps']} steps each, "
           f"seed {config['seed']}; CE = EE + SA - Conf (nats); fits y = a N^b on log-log\n")

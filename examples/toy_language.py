@@ -87,6 +87,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from reporting import save_figure
+
 from hf_mhce import multi_head_cross_entropy, multi_head_logprobs
 
 VOCAB = 40
@@ -307,9 +309,7 @@ def make_figure(rows: list[dict], runs: list[dict], path: Path) -> None:
     for extra in axes[len(rows) + 1:]:
         extra.axis("off")
     fig.suptitle(f"MHCE toy language: PCA of the tied embeddings (seed {first_seed})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ import torch
 from torch import nn
 
 
+_PIECE = 1 << 22  # elements per float64 piece: 32 MB
+
+
 class ReplicasDivergedError(RuntimeError):
     """Data-parallel processes hold different parameters after an optimizer step."""
 
@@ -23,8 +26,10 @@ def parameter_checksum(model: nn.Module) -> torch.Tensor:
     for p in model.parameters():
         if not p.requires_grad or p.numel() == 0 or type(p).__name__ == "DTensor" or hasattr(p, "ds_id"):
             continue  # sharded parameters differ across processes by design
-        value = p.detach().double().abs().sum() + p.detach().double().sum()
-        total = value if total is None else total + value.to(total.device)
+        for piece in p.detach().reshape(-1).split(_PIECE):  # float64 copies of bounded size, not of a whole head
+            piece = piece.double()
+            value = piece.abs().sum() + piece.sum()
+            total = value if total is None else total + value.to(total.device)
     return total if total is not None else torch.zeros((), dtype=torch.float64)
 
 
