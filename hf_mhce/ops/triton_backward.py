@@ -1,8 +1,9 @@
 """Triton backward sweep: recompute each logits tile, form the gradient of the mixture loss and
 accumulate dX = dY W and dW = dY^T X with float32 atomics.
 
-Grid: (token blocks, vocabulary blocks, heads) over a range of tokens and a range of vocabulary
-rows.  dY for a tile is alpha * softmax - beta * onehot(target) - gamma (see
+Grid: (token blocks x vocabulary blocks, heads) over a range of tokens and a range of vocabulary
+rows, in grouped order: GROUP_N token blocks sweep the vocabulary blocks together, so that the
+programs running at once add into a few dX and dW rows (L2) rather than into all of dX.  dY for a tile is alpha * softmax - beta * onehot(target) - gamma (see
 ``mixture.grad_coefficients``), times the softcap derivative.
 
 Both gradients accumulate in float32, never in 16-bit across tiles.  For float32 inputs dX and dW
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tile import block_sizes, dot, dot_settings, logits_tile
+from .triton_tile import dot, dot_settings, launch_config, logits_tile
 
 DEFAULT_WORKSPACE_MB = 512.0
 
@@ -43,12 +44,20 @@ def _backward_kernel(
     n_start, n_end, v_start, v_end, Dh, stride_x, stride_w, stride_dx, stride_dw, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    head = tl.program_id(2).to(tl.int64)
-    rows = n_start + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = v_start + tl.program_id(1).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    head = tl.program_id(1).to(tl.int64)
+    n_blocks = tl.cdiv(n_end - n_start, BLOCK_N)
+    v_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
+    pid = tl.program_id(0)
+    per_group = GROUP_N * v_blocks
+    first_n = (pid // per_group) * GROUP_N
+    group_n = tl.minimum(n_blocks - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_n
+    pid_v = (pid % per_group) // group_n
+    rows = n_start + pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = v_start + pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_mask = rows < n_end
     col_mask = cols < v_end
     labels = tl.load(Labels + rows, mask=row_mask, other=-1)
@@ -96,7 +105,7 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
     v = w.shape[0]
     need_dx, need_dw, need_db = needs
     dev = x.device
-    cfg = block_sizes(x.dtype, d // num_heads)
+    cfg = launch_config("backward", x.dtype, d // num_heads)
     db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
     launch = _Launcher(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, cfg, db)
 
@@ -153,7 +162,7 @@ class _Launcher:
         (n0, n1), (v0, v1) = token_range, vocab_range
         cfg, d = self.cfg, self.x.shape[1]
         dummy = self.args[4]
-        grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]), triton.cdiv(v1 - v0, cfg["BLOCK_V"]), self.num_heads)
+        grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]) * triton.cdiv(v1 - v0, cfg["BLOCK_V"]), self.num_heads)
         _backward_kernel[grid](
             *self.args,
             dx_acc if dx_acc is not None else dummy, dw_acc if dw_acc is not None else dummy,

@@ -2,8 +2,10 @@
 logit (computed before the sweep, one dot product), optionally the sum of the logits and, for one
 head, the target's rank in the same pass (several heads: ``triton_ranks``).
 
-Grid: (token blocks, heads).  Each program streams the whole vocabulary for BLOCK_N tokens of one
-head; the statistics stay in registers, so extra memory is O(N * H) for the outputs.
+Grid: (token blocks, vocabulary splits, heads).  Each program streams one split of the vocabulary
+for BLOCK_N tokens of one head, the statistics in registers.  Splits exist for occupancy: 4096
+tokens are only 64 token blocks, half an H100's 132 SMs; each split writes its partial logsumexp,
+logit sum and rank count, combined afterwards in float32 (logsumexp / sum over splits, O(S * N * H)).
 """
 
 from __future__ import annotations
@@ -14,19 +16,20 @@ import triton.language as tl
 
 from .torch_sweep import SweepStats
 from .triton_ranks import mixture_ranks
-from .triton_tile import block_sizes, dot_settings, logits_tile, softcap_fn
+from .triton_tile import dot_settings, launch_config, logits_tile, softcap_fn, split_constexprs
 
 
 @triton.jit
 def _forward_kernel(
     X, W, B, Labels, Lse, Target, LogitSum, Ranks,
-    N, V, Dh, stride_x, stride_w, softcap,
+    N, V, V_PER_SPLIT, Dh, stride_x, stride_w, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
     NEED_RANKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     col0 = head * Dh
@@ -53,9 +56,11 @@ def _forward_kernel(
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     y_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
     rank = tl.zeros([BLOCK_N], dtype=tl.int64)
-    for v0 in range(0, V, BLOCK_V):
+    v_begin = split * V_PER_SPLIT
+    v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
+    for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        col_mask = cols < V
+        col_mask = cols < v_end
         y = logits_tile(X, W, B, rows, cols, row_mask, col_mask, col0, Dh, stride_x, stride_w, softcap,
                         HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
         y = tl.where(col_mask[None, :], y, float("-inf"))
@@ -69,12 +74,22 @@ def _forward_kernel(
             rank += tl.sum(above.to(tl.int64), axis=1)
 
     out = rows * NUM_HEADS + head
-    tl.store(Lse + out, m + tl.log(s), mask=row_mask)
-    tl.store(Target + out, t_acc, mask=row_mask)
+    partial = split * N * NUM_HEADS + out  # [splits, N, H] partials
+    tl.store(Lse + partial, m + tl.log(s), mask=row_mask)
+    if split == 0:
+        tl.store(Target + out, t_acc, mask=row_mask)
     if NEED_SUM:
-        tl.store(LogitSum + out, y_sum, mask=row_mask)
+        tl.store(LogitSum + partial, y_sum, mask=row_mask)
     if NEED_RANKS:
-        tl.store(Ranks + rows, rank, mask=row_mask)
+        tl.store(Ranks + split * N + rows, rank, mask=row_mask)
+
+
+def vocab_splits(n_programs: int, v_blocks: int, device: torch.device, requested: int | None) -> int:
+    """Vocabulary splits per token block: ``requested``, else enough programs for two per SM."""
+    if requested is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        requested = -(-2 * sms // n_programs)
+    return max(1, min(int(requested), v_blocks))
 
 
 def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False):
@@ -85,19 +100,27 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     n, d = x.shape
     v = w.shape[0]
     dh = d // num_heads
-    lse = torch.empty(n, num_heads, dtype=torch.float32, device=x.device)
-    target = torch.empty_like(lse)
-    logit_sum = torch.empty_like(lse) if need_logit_sum else lse  # dummy pointer when unused
+    cfg, host = split_constexprs(launch_config("forward", x.dtype, dh), "SPLITS")
+    n_blocks, v_blocks = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(v, cfg["BLOCK_V"])
+    splits = vocab_splits(n_blocks * num_heads, v_blocks, x.device, host.get("SPLITS"))
+    per_split = triton.cdiv(v_blocks, splits) * cfg["BLOCK_V"]
+    splits = triton.cdiv(v, per_split)  # no empty split: each holds at least one column
+    f32 = {"dtype": torch.float32, "device": x.device}
+    lse = torch.empty(splits, n, num_heads, **f32)
+    target = torch.empty(n, num_heads, **f32)
+    logit_sum = torch.empty(splits, n, num_heads, **f32) if need_logit_sum else lse  # dummy when unused
     same_pass_ranks = need_ranks and num_heads == 1
-    ranks = torch.zeros(n, dtype=torch.int64, device=x.device) if same_pass_ranks else labels
-    cfg = block_sizes(x.dtype, dh)
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), num_heads)
-    _forward_kernel[grid](
+    ranks = torch.empty(splits, n, dtype=torch.int64, device=x.device) if same_pass_ranks else labels
+    _forward_kernel[(n_blocks, splits, num_heads)](
         x, w, bias if bias is not None else x, labels, lse, target, logit_sum, ranks,
-        n, v, dh, x.stride(0), w.stride(0), float(softcap) if softcap is not None else 1.0,
+        n, v, per_split, dh, x.stride(0), w.stride(0), float(softcap) if softcap is not None else 1.0,
         NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
         NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **cfg, **dot_settings(x.dtype),
     )
-    if need_ranks and num_heads > 1:
+    lse = lse[0] if splits == 1 else torch.logsumexp(lse, dim=0)
+    logit_sum = (logit_sum[0] if splits == 1 else logit_sum.sum(0)) if need_logit_sum else None
+    if same_pass_ranks:
+        ranks = ranks[0] if splits == 1 else ranks.sum(0)
+    elif need_ranks:
         ranks = mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap)
-    return SweepStats(lse, target, logit_sum if need_logit_sum else None, ranks if need_ranks else None)
+    return SweepStats(lse, target, logit_sum, ranks if need_ranks else None)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tile import block_sizes, dot_settings, logits_tile
+from .triton_tile import dot_settings, launch_config, logits_tile
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap):
     n, d = x.shape
     dh = d // num_heads
     ranks = torch.zeros(n, dtype=torch.int64, device=x.device)
-    cfg = block_sizes(x.dtype, dh)
+    cfg = launch_config("ranks", x.dtype, dh)
     _mixture_rank_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, w, bias if bias is not None else x, labels, lse, target, ranks,
         n, w.shape[0], dh, x.stride(0), w.stride(0), float(softcap) if softcap is not None else 1.0,

@@ -7,6 +7,7 @@ N * V and V * D beyond 2^31 are addressed correctly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -33,12 +34,58 @@ def dot_settings(dtype: torch.dtype) -> dict:
     }
 
 
-def block_sizes(dtype: torch.dtype, dh: int) -> dict:
-    """Tile sizes.  Small under the interpreter (speed of the CPU tests); GPU defaults otherwise."""
+# Launch settings per kernel ("forward", "backward", "ranks").  GPU values are starting points
+# until the sweep of benchmarks/tile_sweep.py picks them per device (issue P6).  SPLITS (forward):
+# vocabulary splits per token block, None = enough programs to fill the device twice.  GROUP_N
+# (backward): token blocks per group in the tile order, so that the programs running at once share
+# a few dX rows and dW rows in L2 instead of streaming all of dX through DRAM atomics.
+_GPU_DEFAULTS = {
+    "forward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 64, "SPLITS": None},
+    "backward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 64, "GROUP_N": 8},
+    "ranks": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 64},
+}
+_INTERPRETER = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "num_warps": 1, "SPLITS": 1, "GROUP_N": 2}
+_overrides: dict[str, dict] = {}
+
+
+def launch_config(kernel: str, dtype: torch.dtype, dh: int) -> dict:
+    """Tile sizes and launch options of ``kernel``.  Small under the interpreter (speed of the CPU
+    tests); the GPU defaults otherwise; either replaced key by key inside ``override_tiles``."""
     if interpreting():
-        return {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "num_warps": 1}
-    # Starting points only: tuned per device in the benchmarks (issue P6).
-    return {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 64, "num_warps": 8 if dh >= 64 else 4}
+        cfg = {k: v for k, v in _INTERPRETER.items() if k in _GPU_DEFAULTS[kernel] or k == "num_warps"}
+    else:
+        cfg = {**_GPU_DEFAULTS[kernel], "num_warps": 8 if dh >= 64 else 4}
+    cfg.update(_overrides.get(kernel, {}))
+    return cfg
+
+
+@contextlib.contextmanager
+def override_tiles(kernel: str, **settings):
+    """Replace launch settings of ``kernel`` (tile sweeps and tests; not thread-safe).
+
+    Keys: BLOCK_N, BLOCK_V, BLOCK_K (powers of two >= 16), num_warps, num_stages, SPLITS
+    (forward), GROUP_N (backward).
+    """
+    if kernel not in _GPU_DEFAULTS:
+        raise ValueError(f"unknown kernel {kernel!r}; one of {sorted(_GPU_DEFAULTS)}")
+    allowed = set(_GPU_DEFAULTS[kernel]) | {"num_warps", "num_stages"}
+    unknown = sorted(set(settings) - allowed)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown} for the {kernel} kernel; allowed: {sorted(allowed)}")
+    previous = _overrides.get(kernel)
+    _overrides[kernel] = {**(previous or {}), **settings}
+    try:
+        yield
+    finally:
+        if previous is None:
+            _overrides.pop(kernel, None)
+        else:
+            _overrides[kernel] = previous
+
+
+def split_constexprs(cfg: dict, *names: str) -> tuple[dict, dict]:
+    """(kernel keyword arguments, host-side settings): ``names`` stay on the host."""
+    return {k: v for k, v in cfg.items() if k not in names}, {k: cfg[k] for k in names if k in cfg}
 
 
 @triton.jit

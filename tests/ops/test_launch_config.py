@@ -1,0 +1,116 @@
+"""Launch settings of the Triton kernels (interpreter): vocabulary splits of the forward and the
+grouped tile order of the backward give the float64 results for any setting, including splits that
+do not divide the vocabulary blocks, more splits than blocks, partial groups and odd tile shapes.
+The tile sweep (benchmarks/tile_sweep.py) relies on this: any setting it picks computes the same
+function."""
+
+import math
+
+import pytest
+import torch
+
+import reference as R
+from reference import assert_close_scaled, make_inputs, requires_triton, run_with_grads
+
+pytestmark = requires_triton
+
+import hf_mhce  # noqa: E402
+from hf_mhce.ops import torch_sweep  # noqa: E402
+
+
+def _triton():
+    from hf_mhce.ops import triton_forward, triton_tile
+
+    return triton_forward, triton_tile
+
+
+def _stats_inputs(n, v, d, heads, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) * (2.0 / math.sqrt(d // heads))
+    bias = 0.5 * torch.randn(v, generator=g)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::5] = -1  # ignored tokens
+    return x, w, bias, labels
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 50])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_forward_splits_match_float64(splits, heads):
+    """61 columns in blocks of 16: 4 blocks, so 3 splits are uneven and 50 is clamped to 4."""
+    fwd, tile = _triton()
+    x, w, bias, labels = _stats_inputs(37, 61, 32, heads, seed=splits * 10 + heads)
+    ref = torch_sweep.forward_stats(x.double(), w.double(), bias.double(), labels, heads, None, True, True)
+    with tile.override_tiles("forward", SPLITS=splits, BLOCK_V=16):
+        got = fwd.forward_stats(x, w, bias, labels, heads, None, True, True)
+    valid = labels >= 0
+    for name in ("lse", "target", "logit_sum"):
+        assert_close_scaled(getattr(got, name)[valid], getattr(ref, name)[valid].float(), name=name)
+    assert torch.equal(got.ranks[valid], ref.ranks[valid])
+
+
+def test_forward_splits_exact_same_ranks_and_close_lse():
+    """Splitting only regroups the tiles: ranks are identical, lse equal up to float32 rounding."""
+    fwd, tile = _triton()
+    x, w, bias, labels = _stats_inputs(20, 150, 16, 1, seed=3)
+    with tile.override_tiles("forward", SPLITS=1):
+        one = fwd.forward_stats(x, w, None, labels, 1, 30.0, True, True)
+    with tile.override_tiles("forward", SPLITS=5):
+        five = fwd.forward_stats(x, w, None, labels, 1, 30.0, True, True)
+    assert torch.equal(one.ranks, five.ranks)
+    assert torch.equal(one.target, five.target)
+    torch.testing.assert_close(one.lse, five.lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(one.logit_sum, five.logit_sum, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group_n", [1, 2, 3, 64])
+@pytest.mark.parametrize("heads", [1, 4])
+def test_backward_grouped_order_matches_float64(group_n, heads):
+    """N=37 in blocks of 16 is 3 token blocks: groups of 2 leave a partial group, 64 is one group."""
+    _, tile = _triton()
+    hidden, weight, b, labels = make_inputs((37,), 32, 61, bias=True, num_heads=heads, ignore_frac=0.2, logit_std=2.5)
+    with tile.override_tiles("backward", GROUP_N=group_n), tile.override_tiles("forward", SPLITS=2):
+        ours = run_with_grads(hf_mhce.multi_head_cross_entropy, hidden, weight, labels, heads, bias=b, backend="triton")
+    ref = run_with_grads(R.reference_loss, hidden, weight, labels, heads, bias=b, dtype=torch.float64)
+    for name, o, r in zip(["loss", "d_hidden", "d_weight", "d_bias"], ours, ref):
+        assert_close_scaled(o, r, rtol=1e-5, atol=1e-6, name=name)
+
+
+@pytest.mark.parametrize("kernel,settings", [
+    ("forward", {"BLOCK_N": 32, "BLOCK_V": 64, "BLOCK_K": 32}),
+    ("backward", {"BLOCK_N": 32, "BLOCK_V": 16, "BLOCK_K": 32, "GROUP_N": 1}),
+])
+def test_other_tile_shapes(kernel, settings):
+    _, tile = _triton()
+    hidden, weight, b, labels = make_inputs((45,), 48, 77, bias=True, ignore_frac=0.1)
+    with tile.override_tiles(kernel, **settings):
+        ours = run_with_grads(hf_mhce.linear_cross_entropy, hidden, weight, labels, bias=b, backend="triton")
+    ref = run_with_grads(R.reference_loss, hidden, weight, labels, 1, bias=b, dtype=torch.float64)
+    for name, o, r in zip(["loss", "d_hidden", "d_weight", "d_bias"], ours, ref):
+        assert_close_scaled(o, r, rtol=1e-5, atol=1e-6, name=name)
+
+
+def test_override_is_scoped_and_validated():
+    _, tile = _triton()
+    before = tile.launch_config("backward", torch.float32, 16)
+    with tile.override_tiles("backward", GROUP_N=5):
+        with tile.override_tiles("backward", BLOCK_V=64):
+            inner = tile.launch_config("backward", torch.float32, 16)
+            assert (inner["GROUP_N"], inner["BLOCK_V"]) == (5, 64)
+        assert tile.launch_config("backward", torch.float32, 16)["BLOCK_V"] == before["BLOCK_V"]
+    assert tile.launch_config("backward", torch.float32, 16) == before
+    with pytest.raises(ValueError, match="unknown setting.*SPLITS"):
+        with tile.override_tiles("backward", SPLITS=2):
+            pass
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with tile.override_tiles("sideways", BLOCK_N=16):
+            pass
+
+
+def test_auto_splits_fill_the_device():
+    fwd, _ = _triton()
+    cpu = torch.device("cpu")
+    assert fwd.vocab_splits(64, 1002, cpu, 3) == 3
+    assert fwd.vocab_splits(64, 2, cpu, 3) == 2  # never more splits than vocabulary blocks
+    assert fwd.vocab_splits(64, 1002, cpu, None) == 1  # one "SM" off CUDA: 64 programs suffice
+    assert fwd.vocab_splits(1, 1002, cpu, None) == 2
