@@ -27,6 +27,7 @@ import os
 
 import torch
 from transformers import TrainerCallback
+from transformers.training_args import ParallelMode
 
 from ..losses import collect_ranks
 from ..losses.collect import active_sink
@@ -106,10 +107,12 @@ class RBECallback(TrainerCallback):
             add_card_section(model, "RBE evaluation", self.card_markdown)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
+        _check_not_data_parallel(args)
         self._plot_dir = os.path.join(args.output_dir, "rbe")
         self._attach(model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        _check_not_data_parallel(args)
         self._plot_dir = os.path.join(args.output_dir, "rbe")
         self._attach(model)  # added with trainer.add_callback, or a model_init model
 
@@ -124,6 +127,7 @@ class RBECallback(TrainerCallback):
             check_replicas_in_sync(model)
 
     def on_prediction_step(self, args, state, control, model=None, eval_dataloader=None, **kwargs):
+        _check_not_data_parallel(args)
         if self._model is None and model is not None:
             self._attach(model)  # added with trainer.add_callback after init: this batch was missed
             self._late = True
@@ -218,6 +222,19 @@ class RBECallback(TrainerCallback):
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._model = [], None
+
+
+def _check_not_data_parallel(args) -> None:
+    """Trainer runs several GPUs of one process through ``torch.nn.DataParallel``, whose replicas
+    run the forward in worker threads at once: one batch's ranks would be split, raced and partly
+    lost.  Say so instead of reporting a wrong decomposition."""
+    if getattr(args, "parallel_mode", None) == ParallelMode.NOT_DISTRIBUTED:
+        raise RuntimeError(
+            f"RBECallback does not support torch.nn.DataParallel, which Trainer uses for the "
+            f"{getattr(args, 'n_gpu', 'several')} GPUs of a single process. Launch one process per GPU "
+            f"instead (`accelerate launch` or `torchrun`: DistributedDataParallel, supported), or make "
+            f"one GPU visible (CUDA_VISIBLE_DEVICES=0)."
+        )
 
 
 def _row_tokens(labels, shift_labels, ignore_index):

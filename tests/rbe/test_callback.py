@@ -189,3 +189,16 @@ def test_callback_added_after_init(tmp_path, caplog):
         first = late.evaluate()
     assert not _rbe(first) and "added after the Trainer was built" in caplog.text
     assert _rbe(late.evaluate()) == pytest.approx(expected, rel=1e-12)
+
+
+def test_data_parallel_is_refused(tmp_path, monkeypatch):
+    """Several GPUs in one process (Trainer's nn.DataParallel) would race the replicas' ranks: a clear
+    error when the Trainer is built, not a wrong decomposition.  n_gpu is faked: no GPU here."""
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    args = _args(tmp_path)
+    assert args.parallel_mode.value == "not_distributed"
+    with pytest.raises(RuntimeError, match="DataParallel.*accelerate launch"):
+        Trainer(model=_patched("ce"), args=args, eval_dataset=token_dataset(4), callbacks=[RBECallback()])
+    callback = RBECallback()  # added after init: refused at the first evaluation batch too
+    with pytest.raises(RuntimeError, match="DataParallel"):
+        callback.on_prediction_step(args, None, None, model=None)
