@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .card import set_card_section, write_card
-from .config import CONFIG_KEY, OPTION_NAMES, resolve_config
+from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config, write_adapter_config
 from .families import FAMILIES, LogitFacts, check_structure, model_type, probe_inputs, unsupported
 from .forward import ABSENT, STATE_ATTR, PatchState, generic_forward, make_forward, mirrored_signature
 from .head import UnsupportedHeadError, resolve_head
@@ -60,12 +60,18 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
 
 
 def _save_with_card(self, save_directory, *args, **kwargs):
-    """The class's save_pretrained, then the hf_mhce section of the model card (main process)."""
+    """The class's save_pretrained, then the hf_mhce section of the model card (main process).
+
+    A PeftModel saves its adapters without the base's config.json, so the loss config goes beside
+    them in ``hf_mhce.json``, where ``from_pretrained`` of the adapter directory finds it.
+    """
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     target = _unwrap(self)
     state = target.__dict__.get(STATE_ATTR)
     if state is not None and kwargs.get("is_main_process", True):
         write_card(target, state.config, os.fspath(save_directory))
+        if self is not target:
+            write_adapter_config(os.fspath(save_directory), state.config)
     return result
 
 
@@ -105,13 +111,25 @@ def from_pretrained(path_or_id, **kwargs):
     """``AutoModelForCausalLM.from_pretrained`` + ``apply_patch``.
 
     A checkpoint whose config records ``hf_mhce`` gets its saved loss back; a plain checkpoint is
-    patched with loss="ce".  The apply_patch arguments (loss, num_heads, override_saved and the
-    LossConfig options) may be given here too; everything else goes to from_pretrained.
+    patched with loss="ce".  A local PEFT adapter directory (``adapter_config.json``) is loaded
+    with ``peft.AutoPeftModelForCausalLM`` (base model from the adapter's record) and gets the
+    loss config saved beside the adapter (``hf_mhce.json``), else its base's.  The apply_patch
+    arguments (loss, num_heads, override_saved and the LossConfig options) may be given here too;
+    everything else goes to from_pretrained.
     """
-    from transformers import AutoModelForCausalLM
-
     names = ("loss", "num_heads", "override_saved", *OPTION_NAMES)
     patch_kwargs = {k: kwargs.pop(k) for k in names if k in kwargs}
+    path = os.fspath(path_or_id)
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(path, **kwargs)
+        saved = read_adapter_config(path)
+        if saved is not None:  # what the adapter was trained with is what its outputs mean
+            setattr(_unwrap(model).config, CONFIG_KEY, saved)
+        return apply_patch(model, **patch_kwargs)
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
     return apply_patch(model, **patch_kwargs)
 

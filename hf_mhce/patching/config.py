@@ -11,9 +11,13 @@ later ``apply_patch`` call may update freely.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass
 
 CONFIG_KEY = "hf_mhce"
+# Beside a PEFT adapter saved alone (no config.json of its own): the loss config it was trained with.
+ADAPTER_CONFIG_FILE = "hf_mhce.json"
 LOSSES = ("ce", "mhce")
 CONFIG_FORMAT = 1
 
@@ -75,6 +79,22 @@ class LossConfig:
             raise ValueError(f"model.config.{CONFIG_KEY} is not an hf_mhce loss config: {saved!r}")
         known = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS)
         return cls(**{k: v for k, v in saved.items() if k in known})
+
+
+def write_adapter_config(directory: str, cfg: LossConfig) -> None:
+    with open(os.path.join(directory, ADAPTER_CONFIG_FILE), "w") as f:
+        json.dump(cfg.to_saved(), f, indent=2)
+
+
+def read_adapter_config(directory: str) -> dict | None:
+    """The loss config saved beside a PEFT adapter, None when there is none."""
+    path = os.path.join(directory, ADAPTER_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    LossConfig.from_saved(saved)  # a malformed file fails here, naming itself
+    return saved
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name not in IDENTITY_FIELDS)

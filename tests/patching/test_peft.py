@@ -120,3 +120,42 @@ def test_peft_generate_and_unsupported_head_variant():
     dora = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["lm_head"], use_dora=True))
     with pytest.raises(UnsupportedModelError, match="DoRA"):
         apply_patch(dora)
+
+
+def _saved_base(tmp_path, family="llama"):
+    """A base checkpoint on disk, loaded back, so that an adapter records where its base is."""
+    from transformers import AutoModelForCausalLM
+
+    make_model(family).save_pretrained(tmp_path / "base")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "lm_head"]])
+def test_adapter_saved_alone_keeps_its_loss(tmp_path, targets):
+    """PeftModel.save_pretrained writes no config.json: the MHCE config goes beside the adapter, and
+    hf_mhce.from_pretrained(adapter_dir) gives back the same distribution (logits and loss)."""
+    import hf_mhce
+    from hf_mhce.patching.config import ADAPTER_CONFIG_FILE
+
+    model = apply_patch(_lora(_saved_base(tmp_path), targets), loss="mhce", num_heads=2, z_loss=1e-3).eval()
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / ADAPTER_CONFIG_FILE).is_file()
+    assert not (tmp_path / "adapter" / "config.json").exists()  # PEFT's layout is unchanged
+
+    loaded = hf_mhce.from_pretrained(tmp_path / "adapter").eval()
+    assert is_patched(loaded) and type(loaded).__name__.startswith("Peft")
+    assert loaded.get_base_model().config.hf_mhce["num_heads"] == 2
+    assert loaded.get_base_model().config.hf_mhce["z_loss"] == 1e-3
+    ids, labels = batch()
+    with torch.no_grad():
+        want, got = model(input_ids=ids), loaded(input_ids=ids)
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
+
+    # Without hf_mhce.json (an adapter saved before hf_mhce patched it): the base's record, else CE.
+    plain = _lora(_saved_base(tmp_path / "again"), targets)
+    plain.save_pretrained(tmp_path / "plain_adapter")
+    assert not (tmp_path / "plain_adapter" / ADAPTER_CONFIG_FILE).exists()
+    assert hf_mhce.from_pretrained(tmp_path / "plain_adapter").get_base_model().config.hf_mhce["loss"] == "ce"
+    with pytest.raises(ValueError, match="override_saved"):  # the adapter's record guards like config.json's
+        hf_mhce.from_pretrained(tmp_path / "adapter", loss="ce")
