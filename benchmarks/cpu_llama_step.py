@@ -41,7 +41,7 @@ def child(args) -> dict:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                          intermediate_size=args.hidden * 8 // 3 // 32 * 32, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=args.seq)
+                         max_position_embeddings=args.seq, tie_word_embeddings=args.tie)
     model = LlamaForCausalLM(config)
     if VARIANTS[args.variant]:
         hf_mhce.apply_patch(model, **VARIANTS[args.variant])
@@ -89,6 +89,8 @@ def main(argv=None) -> dict:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tie", action="store_true",
+                   help="head tied to the input embedding, as Llama-3.2-1B/3B (one [V, D] matrix, not two)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child process
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -100,7 +102,7 @@ def main(argv=None) -> dict:
     for variant in args.variants:
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant,
                *[x for k in ("vocab", "hidden", "layers", "tokens", "seq", "steps", "threads")
-                 for x in (f"--{k}", str(getattr(args, k)))]]
+                 for x in (f"--{k}", str(getattr(args, k)))], *(["--tie"] if args.tie else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
         if proc.returncode:
             raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
@@ -109,12 +111,13 @@ def main(argv=None) -> dict:
         print(f"{variant:6s} peak {r['process_peak_mb']:7.0f} MB  step extra {r['step_extra_mb']:7.0f} MB  "
               f"step {r['step_seconds']:.2f} s  loss {r['loss']:.4f}", flush=True)
     today = datetime.date.today().isoformat()
-    result = {"date": today, "device": f"CPU, {os.cpu_count()} cores", "threads": args.threads,
+    result = {"date": today, "device": f"CPU, {os.cpu_count()} cores", "threads": args.threads, "tied": args.tie,
               **{k: getattr(args, k) for k in ("vocab", "hidden", "layers", "tokens", "seq", "steps")},
               "targets": {"peak_rss_vs_eager": 0.25, "time_vs_eager": 1.2}, "rows": rows}
     eager = next((r for r in rows if r["variant"] == "eager"), None)
     lines = [f"# One training step of a mini Llama, V={args.vocab}, N={args.tokens} tokens, CPU ({today})", "",
-             f"{os.cpu_count()} CPUs, {args.threads} torch threads; hidden {args.hidden}, {args.layers} layers "
+             f"{os.cpu_count()} CPUs, {args.threads} torch threads; hidden {args.hidden}, {args.layers} layers, "
+             f"{'head tied to the embedding' if args.tie else 'untied head'} "
              f"({rows[0]['parameters'] / 1e6:.1f}M parameters), {args.tokens // args.seq} x {args.seq} tokens, fp32, "
              f"AdamW; each variant in a fresh process; time = median of {args.steps} steps after a warm-up step. "
              "Targets: peak RSS <= 0.25x eager, time <= 1.2x eager.", "",
@@ -127,7 +130,7 @@ def main(argv=None) -> dict:
         lines.append(f"| {r['variant']} | {r['process_peak_mb']:.0f} | {ratio('process_peak_mb')} | "
                      f"{r['rss_before_steps_mb']:.0f} | {r['step_extra_mb']:.0f} | "
                      f"{ratio('step_extra_mb')} | {r['step_seconds']:.2f} | {ratio('step_seconds')} | {r['loss']:.4f} |")
-    write_record(args.out, f"cpu_llama_step-{today}", result, "\n".join(lines))
+    write_record(args.out, f"cpu_llama_step{'-tied' if args.tie else ''}-{today}", result, "\n".join(lines))
     return result
 
 

@@ -20,6 +20,10 @@ Variants (bf16 inputs, float32 loss):
   hf_mhce_ce        hf_mhce.linear_cross_entropy
   hf_mhce_mhce4/8   hf_mhce.multi_head_cross_entropy with H = 4 / 8
   hf_mhce_ranks     hf_mhce CE forward under collect_ranks (evaluation: forward only)
+  slab_vocab        prototype: cuBLAS on float32 logit slabs per vocabulary slice, 8NDV (slab_prototype.py)
+  slab_fwdgrad      prototype: gradients in the forward per token chunk, float32 dW, 6NDV (slab_prototype.py)
+Every variant's loss, and its dX and dW, are compared with float32 references (hf_mhce's torch path on
+float32 copies of the inputs): a fast wrong answer is no result.
 Writes benchmarks/results/<device>-<date>-peers.md and .json.
 """
 
@@ -28,18 +32,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from records import write_record
+from records import add_device_options, device_label, write_record
 
 SHAPES = {"gpt2": (768, 50257), "mistral7b": (4096, 32768), "llama3": (4096, 128256)}
 SMALL = {"gpt2": (48, 1031)}  # --small: the harness itself on CPU / under the interpreter
 PEERS = ("hf_eager", "compile_chunked", "liger", "cce", "cce_exact")
 OURS = ("hf_mhce_ce", "hf_mhce_mhce4", "hf_mhce_mhce8", "hf_mhce_ranks")
+PROTOTYPES = ("slab_vocab", "slab_fwdgrad")
 
 
 class Unavailable(Exception):
@@ -90,6 +94,10 @@ def make_variant(name: str, device: torch.device):
     if name.startswith("hf_mhce_mhce"):
         heads = int(name.removeprefix("hf_mhce_mhce"))
         return (lambda x, w, y: hf_mhce.multi_head_cross_entropy(x, w, y, heads, backend="triton")), False
+    if name in PROTOTYPES:
+        import slab_prototype
+
+        return getattr(slab_prototype, name), False
     if name == "hf_mhce_ranks":  # what RBECallback does in evaluation: ranks from the same sweep
         from hf_mhce.losses import collect_ranks
         from hf_mhce.rbe.stats import RBEStats
@@ -142,6 +150,25 @@ def matmul_rate(n, d, v, device, dtype, timer) -> float:
     return 2 * n * d * v / (ms / 1000)
 
 
+def reference_grads(x, w, labels):
+    """dX, dW of the mean CE in float32 (hf_mhce's chunked torch path on float32 copies)."""
+    import hf_mhce
+
+    xr, wr = (t.detach().float().requires_grad_() for t in (x, w))
+    hf_mhce.linear_cross_entropy(xr, wr, labels, backend="torch").backward()
+    return xr.grad, wr.grad
+
+
+def grad_errors(fn, x, w, labels, ref) -> dict:
+    """Relative L2 errors of a variant's dX and dW against the float32 references."""
+    xv, wv = (t.detach().clone().requires_grad_() for t in (x, w))
+    fn(xv, wv, labels).backward()
+    out = {}
+    for key, got, want in (("dx_rel_err", xv.grad, ref[0]), ("dw_rel_err", wv.grad, ref[1])):
+        out[key] = float((got.float() - want).norm() / want.norm())
+    return out
+
+
 def measure(fn, forward_only, w, sets, timer, device) -> dict:
     it = iter(range(1 << 62))
 
@@ -185,12 +212,15 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
     x0, y0 = sets[0]
     with torch.no_grad():  # every variant's loss beside HF's: a fast wrong answer is no result
         reference = F.cross_entropy((x0 @ w.T).float(), y0, ignore_index=-100).item()
+    ref_grads = reference_grads(x0, w, y0)
     for name in variants:
         row = {"shape": label, "D": d, "V": v, "N": n, "variant": name, **{f"floor_{k}": x for k, x in floor.items()}}
         try:
             fn, forward_only = make_variant(name, device)
             with torch.no_grad():
                 row["loss_rel_err"] = abs(float(fn(x0, w, y0)) - reference) / abs(reference)
+            if not forward_only:
+                row.update(grad_errors(fn, x0, w, y0, ref_grads))
             row.update(measure(fn, forward_only, w, sets, timer, device))
             row["vs_floor"] = row.get("fwd_bwd_ms", row["fwd_ms"]) / floor["fwd_bwd_ms" if "fwd_bwd_ms" in row else "fwd_ms"]
             if "peak_extra_mb" in row:
@@ -220,8 +250,8 @@ def markdown(rows: list[dict], device_name: str, today: str) -> str:
         g0 = group[0]
         lines += [f"## {shape[0]} (D={g0['D']}, V={g0['V']}), N={shape[1]}: floor {g0['floor_fwd_bwd_ms']:.2f} ms "
                   f"fwd+bwd, {g0['floor_fwd_ms']:.2f} ms fwd", "",
-                  "| variant | fwd | bwd | fwd+bwd | x floor | peak extra MB | x bound | x hf_mhce_ce | loss vs HF | note |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  "| variant | fwd | bwd | fwd+bwd | x floor | peak extra MB | x bound | x hf_mhce_ce | loss vs HF | dX err | dW err | note |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         ours = next((r for r in group if r["variant"] == "hf_mhce_ce" and "fwd_bwd_ms" in r), None)
         for r in group:
             def f(key, fmt=".2f"):
@@ -229,7 +259,7 @@ def markdown(rows: list[dict], device_name: str, today: str) -> str:
             rel = (f"{r['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}" if ours and "fwd_bwd_ms" in r else "-")
             lines.append(f"| {r['variant']} | {f('fwd_ms')} | {f('bwd_ms')} | {f('fwd_bwd_ms')} | {f('vs_floor')} | "
                          f"{f('peak_extra_mb', '.0f')} | {f('mem_vs_bound')} | {rel} | {f('loss_rel_err', '.1e')} | "
-                         f"{r.get('note', '')} |")
+                         f"{f('dx_rel_err', '.1e')} | {f('dw_rel_err', '.1e')} | {r.get('note', '')} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -238,20 +268,16 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
-    p.add_argument("--variants", nargs="+", default=[*PEERS, *OURS], choices=[*PEERS, *OURS])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--variants", nargs="+", default=[*PEERS, *OURS, *PROTOTYPES], choices=[*PEERS, *OURS, *PROTOTYPES])
+    add_device_options(p, reps=5)
     p.add_argument("--rotate", type=int, default=3, help="input sets cycled through (cache fairness)")
-    p.add_argument("--small", action="store_true", help="tiny shapes: validates the harness on CPU")
-    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shapes = SMALL if args.small else {k: SHAPES[k] for k in args.shapes}
     tokens = [37, 64] if args.small else args.tokens
     rows = [r for label, (d, v) in shapes.items() for n in tokens
             for r in run_shape(label, d, v, n, args.variants, device, dtype, args.reps, args.rotate)]
-    name = torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else "cpu"
+    name = device_label(device)
     today = datetime.date.today().isoformat()
     write_record(args.out, f"{name}-{today}-peers" + ("-small" if args.small else ""), rows, markdown(rows, name, today))
     return rows
