@@ -3,7 +3,8 @@
 # then are copied into benchmarks/results/ and committed with date and device):
 #   run(command="bash benchmarks/device_run.sh tune",  carry=[".whl"])   # correctness + tile sweep
 #   (put the sweep's winners into hf_mhce/ops/triton_tile.py's _GPU_DEFAULTS, then)
-#   run(command="bash benchmarks/device_run.sh peers", carry=[".whl"])   # the P6 table with those tiles
+#   run(command="bash benchmarks/device_run.sh peers llama3", carry=[".whl"])           # the P6 table with
+#   run(command="bash benchmarks/device_run.sh peers gpt2 mistral7b", carry=[".whl"])   # those tiles
 # The device image has torch, triton, transformers, peft and accelerate but no network: hf_mhce runs
 # from the checkout (PYTHONPATH), and the peers travel as wheels in .whl/ (git-ignored), fetched
 # beforehand where PyPI is reachable:  pip download --no-deps -d .whl liger-kernel cut-cross-entropy
@@ -29,7 +30,8 @@ case "$STAGE" in
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || echo "peer wheels not installed" >> "$OUT/failures.txt"
-    step peers python3 benchmarks/peers.py --out "$OUT"
+    shift
+    step peers python3 benchmarks/peers.py --out "$OUT" ${1:+--shapes "$@"}
     ;;
   *) echo "usage: device_run.sh tune|peers" >&2; exit 2 ;;
 esac

@@ -24,7 +24,7 @@ Variants (bf16 inputs, float32 loss):
   slab_fwdgrad      prototype: gradients in the forward per token chunk, float32 dW, 6NDV (slab_prototype.py)
 Every variant's loss, and its dX and dW, are compared with float32 references (hf_mhce's torch path on
 float32 copies of the inputs): a fast wrong answer is no result.
-Writes benchmarks/results/<device>-<date>-peers.md and .json.
+Writes benchmarks/results/<device>-<date>-peers-<shapes>.md and .json, after every shape.
 """
 
 from __future__ import annotations
@@ -275,11 +275,15 @@ def main(argv=None) -> list[dict]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shapes = SMALL if args.small else {k: SHAPES[k] for k in args.shapes}
     tokens = [37, 64] if args.small else args.tokens
-    rows = [r for label, (d, v) in shapes.items() for n in tokens
-            for r in run_shape(label, d, v, n, args.variants, device, dtype, args.reps, args.rotate)]
     name = device_label(device)
     today = datetime.date.today().isoformat()
-    write_record(args.out, f"{name}-{today}-peers" + ("-small" if args.small else ""), rows, markdown(rows, name, today))
+    stem = f"{name}-{today}-peers-{'-'.join(shapes)}" + ("-small" if args.small else "")
+    rows = []
+    for label, (d, v) in shapes.items():
+        for n in tokens:
+            rows += run_shape(label, d, v, n, args.variants, device, dtype, args.reps, args.rotate)
+            # rewritten after every shape: a run cut short by the device's time limit keeps what it measured
+            write_record(args.out, stem, rows, markdown(rows, name, today))
     return rows
 
 
