@@ -72,7 +72,8 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     data: a DataLoader yielding dicts with ``input_ids`` (optionally ``labels``, unshifted as
         transformers expects, and ``attention_mask``), or any sequence of such rows (e.g. a
         datasets.Dataset with an ``input_ids`` column), padded per batch.
-    An unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
+    A model inside ``nn.DataParallel`` or ``DistributedDataParallel`` is evaluated through
+    ``model.module``.  An unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
     cross-entropy) and restored afterwards; the ranks come from the fused loss sweep.
     Distributed: give each process its share of the rows (e.g. a DistributedSampler); the
     statistics are summed over the processes.  A DistributedSampler pads a set whose size is not
@@ -84,6 +85,8 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     if isinstance(sampler, DistributedSampler) and not sampler.drop_last and sampler.total_size != len(sampler.dataset):
         warnings.warn(f"the DistributedSampler pads {len(sampler.dataset)} rows to {sampler.total_size} with repeated "
                       "rows, which the RBE statistics count twice", stacklevel=2)
+    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        model = model.module  # a forward without gradient needs neither wrapper (and DataParallel's threads race the sink)
     head = model.get_output_embeddings()
     device = torch.device(device) if device is not None else head.weight.device
     stats = RBEStats(head.weight.shape[0])

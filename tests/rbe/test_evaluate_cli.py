@@ -210,3 +210,12 @@ def test_cli_rbe(tmp_path):
     assert f"wrote {out_json}" in out and f"wrote {out_png}" in out
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+
+def test_evaluate_through_data_parallel_wrapper():
+    """A model still inside nn.DataParallel is evaluated through .module: the same report as the bare model."""
+    model = apply_patch(tiny_gpt2(seed=2), loss="mhce", num_heads=2)
+    rows = ragged_rows(5, seed=8)
+    wrapped = evaluate(torch.nn.DataParallel(model), rows, batch_size=3)
+    _check_against_reference(wrapped, model, rows, loss="mhce", num_heads=2)
+    assert wrapped.as_dict() == evaluate(model, rows, batch_size=3).as_dict()
