@@ -48,16 +48,17 @@ def _backward_kernel(
     DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1).to(tl.int64)
-    n_blocks = tl.cdiv(n_end - n_start, BLOCK_N)
-    v_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
-    pid = tl.program_id(0)
+    # int64 throughout: a wide GROUP_N times many vocabulary blocks passes 2^31
+    n_blocks = tl.cdiv(n_end - n_start, BLOCK_N).to(tl.int64)
+    v_blocks = tl.cdiv(v_end - v_start, BLOCK_V).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
     per_group = GROUP_N * v_blocks
     first_n = (pid // per_group) * GROUP_N
     group_n = tl.minimum(n_blocks - first_n, GROUP_N)
     pid_n = first_n + (pid % per_group) % group_n
     pid_v = (pid % per_group) // group_n
-    rows = n_start + pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = v_start + pid_v.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
+    rows = n_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = v_start + pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     row_mask = rows < n_end
     col_mask = cols < v_end
     labels = tl.load(Labels + rows, mask=row_mask, other=-1)

@@ -63,7 +63,7 @@ def test_forward_splits_exact_same_ranks_and_close_lse():
     torch.testing.assert_close(one.logit_sum, five.logit_sum, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("group_n", [1, 2, 3, 64])
+@pytest.mark.parametrize("group_n", [1, 2, 3, 64, 1 << 30])  # 1 << 30: GROUP_N x blocks > 2^31 (int64 in the kernel; the interpreter cannot show an int32 wrap, a GPU would)
 @pytest.mark.parametrize("heads", [1, 4])
 def test_backward_grouped_order_matches_float64(group_n, heads):
     """N=37 in blocks of 16 is 3 token blocks: groups of 2 leave a partial group, 64 is one group."""
