@@ -136,6 +136,10 @@ def retime(rows, fn, kernel, timer, deadline, tol, k=3) -> list[dict]:
     return rows
 
 
+def tolerance(dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 2e-3  # 16-bit dX/dW: one rounding of each element
+
+
 def run(args, device, dtype) -> list[dict]:
     from hf_mhce.ops import triton_backward, triton_forward
 
@@ -145,31 +149,28 @@ def run(args, device, dtype) -> list[dict]:
     d, v = (48, 1031) if args.small else (4096, 128256)
     n_big, n_small = (45, 20) if args.small else (16384, 4096)
     fwd_tiles, bwd_tiles = (SMALL_TILES, SMALL_TILES) if args.small else (FORWARD, BACKWARD)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3  # 16-bit dX/dW: one rounding of each element
+    tol = tolerance(dtype)
+    kernels = {"forward": triton_forward._forward_kernel, "backward": triton_backward._backward_kernel}
     rows = []
+
+    def stage(name, kernel, settings, problem, ref, fixed=None) -> dict:
+        """Sweep, tag, time the fastest again; returns the winning settings ({} if none held)."""
+        fn = getattr(problem, kernel)
+        got = sweep(name, kernel, settings, fn, kernels[kernel], ref, timer, deadline, fixed)
+        got = [{**r, "heads": problem.heads, "D": d, "V": v, "N": problem.n} for r in got]
+        rows.extend(retime(got, fn, kernel, timer, deadline, tol))
+        ranked = best(got, tol)
+        return ranked[0]["settings"] if ranked else {}
+
     for heads in args.heads:
-        tag = {"heads": heads, "D": d, "V": v}
         big = Problem(n_big, d, v, heads, device, dtype)
-        stage = [{**r, **tag, "N": n_big} for r in sweep("forward tiles", "forward", fwd_tiles, big.forward,
-                                                         triton_forward._forward_kernel, big.forward(first=True),
-                                                         timer, deadline)]
-        rows += retime(stage, big.forward, "forward", timer, deadline, tol)
-        win = best(stage, tol)[0]["settings"] if best(stage, tol) else {}
+        win = stage("forward tiles", "forward", fwd_tiles, big, big.forward(first=True))
         small = Problem(n_small, d, v, heads, device, dtype)
-        stage = [{**r, **tag, "N": n_small} for r in sweep("forward splits", "forward", [{"SPLITS": s} for s in SPLITS],
-                                                           small.forward, triton_forward._forward_kernel,
-                                                           small.forward(first=True), timer, deadline, fixed=win)]
-        rows += retime(stage, small.forward, "forward", timer, deadline, tol)
+        stage("forward splits", "forward", [{"SPLITS": s} for s in SPLITS], small, small.forward(first=True), win)
         del small
         ref = big.backward(first=True)
-        stage = [{**r, **tag, "N": n_big} for r in sweep("backward tiles", "backward", bwd_tiles, big.backward,
-                                                         triton_backward._backward_kernel, ref, timer, deadline)]
-        rows += retime(stage, big.backward, "backward", timer, deadline, tol)
-        win = best(stage, tol)[0]["settings"] if best(stage, tol) else {}
-        stage = [{**r, **tag, "N": n_big} for r in sweep("backward groups", "backward", [{"GROUP_N": g} for g in GROUPS],
-                                                         big.backward, triton_backward._backward_kernel, ref, timer,
-                                                         deadline, fixed=win)]
-        rows += retime(stage, big.backward, "backward", timer, deadline, tol)
+        win = stage("backward tiles", "backward", bwd_tiles, big, ref)
+        stage("backward groups", "backward", [{"GROUP_N": g} for g in GROUPS], big, ref, win)
         del big, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -206,7 +207,7 @@ def main(argv=None) -> list[dict]:
     rows = run(args, device, dtype)
     name = device_label(device)
     today = datetime.date.today().isoformat()
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    tol = tolerance(dtype)
     write_record(args.out, f"tile_sweep-{name}-{today}" + ("-small" if args.small else ""), rows,
                  markdown(rows, name, today, tol))
     return rows

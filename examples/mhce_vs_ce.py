@@ -59,46 +59,27 @@ enough to compensate.  Out of domain (code) H=2 and H=4 are within seed noise of
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
 import time
 
-from parallel_runs import options_argv, prepare_tokenizer, run_jobs
+from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, eval_metrics, options_argv, prepare_tokenizer,
+                           run_jobs, sweep_parser)
 from reporting import load_results, save_figure, write_report
 
-# The model and schedule of every run (hf-mhce train options); --quick replaces them by REDUCED.
-DEFAULT = {
-    "vocab_size": 4096, "hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 4,
-    "intermediate_size": 512, "block_size": 64, "max_eval_blocks": 100000, "max_steps": 200,
-    "per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "learning_rate": 3e-3, "weight_decay": 0.01,
-    "warmup_steps": 20, "lr_scheduler_type": "cosine", "eval_steps": 50, "logging_steps": 25, "save_strategy": "no",
-    "sample_tokens": 24,
-}
-REDUCED = {
-    "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
-    "intermediate_size": 64, "block_size": 32, "max_train_blocks": 64, "max_eval_blocks": 8, "max_steps": 6,
-    "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "learning_rate": 3e-3, "warmup_steps": 1,
-    "weight_decay": 0.01, "lr_scheduler_type": "cosine", "eval_steps": 3, "logging_steps": 3, "save_strategy": "no",
-    "sample_tokens": 4,
-}
-EVAL_SETS = ("docs", "code")
-COMPONENTS = ("cross_entropy", "error_entropy", "self_alignment", "confidence", "top1")
+# The model of every run; the schedule is parallel_runs.SCHEDULE (QUICK_SCHEDULE with --quick).
+DEFAULT = {"hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512,
+           **SCHEDULE, "max_steps": 200}
+REDUCED = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 64,
+           **QUICK_SCHEDULE}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                epilog="Unknown options are passed to every hf-mhce train run.")
-    p.add_argument("--out", default="outputs/mhce_vs_ce", help="output directory")
-    p.add_argument("--quick", action="store_true", help="reduced size, same code path (the test)")
+    p = sweep_parser(__doc__.split("\n")[0], "outputs/mhce_vs_ce")
     p.add_argument("--heads", type=int, nargs="+", default=[1, 2, 4, 8], help="H values; 1 = CE")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 (quick: 0)")
     p.add_argument("--steps", type=int, default=None, help="training steps of every run")
-    p.add_argument("--workers", type=int, default=2, help="parallel runs (1: in this process)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--replot", action="store_true",
-                   help="no training: redo the table, verdict and plot from <out>/results.json")
     args, extra = p.parse_known_args(argv)
     if args.seeds is None:
         args.seeds = [0] if args.quick else [0, 1]
@@ -110,14 +91,11 @@ def parse_args(argv=None):
 # -- analysis ------------------------------------------------------------------------------------
 
 def run_row(heads: int, seed: int, summary: dict) -> dict:
-    final = summary["final_eval"]
     row = {"heads": heads, "seed": seed, "loss": summary["loss"], "parameters": summary["parameters"],
-           "train_loss": summary["train"]["train_loss"], "wall_seconds": summary["wall_seconds"]}
+           "train_loss": summary["train"]["train_loss"], "wall_seconds": summary["wall_seconds"],
+           **eval_metrics(summary)}
     for s in EVAL_SETS:
-        row[f"{s}_loss"] = final[f"eval_{s}_loss"]
-        row[f"{s}_ppl"] = math.exp(final[f"eval_{s}_loss"])
-        for c in COMPONENTS:
-            row[f"{s}_{c}"] = final[f"eval_{s}_rbe_{c}"]
+        row[f"{s}_ppl"] = math.exp(row[f"{s}_loss"])
     row["curve"] = [(h["step"], h["prefix"][5:], h["cross_entropy"], h["error_entropy"]) for h in summary["rbe_history"]]
     return row
 

@@ -1,4 +1,5 @@
-"""Run several ``hf-mhce train`` jobs for the sweep examples (mhce_vs_ce.py, rbe_scaling.py).
+"""Run several ``hf-mhce train`` jobs for the sweep examples (mhce_vs_ce.py, rbe_scaling.py), with
+the schedule, options and evaluation read-out they share.
 
 Every run is the main job, ``hf_mhce.train.main``; this module only schedules them: in this process
 (``workers=1``) or as ``hf-mhce train`` subprocesses, ``workers`` at a time.  These models are too
@@ -7,6 +8,7 @@ small for intra-op threads: 2 workers x 1 thread beat 1 x 2 threads on 2 cores (
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -17,6 +19,47 @@ import time
 # tensor; otherwise a training step spends ~25 % of its time in page faults, and two concurrent
 # runs slow each other down about 2x (measured on a 2-vCPU VM).  Results are unchanged.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+# The training schedule of every run (hf-mhce train options); --quick replaces it by QUICK_SCHEDULE.
+SCHEDULE = {
+    "vocab_size": 4096, "block_size": 64, "max_eval_blocks": 100000,
+    "per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "learning_rate": 3e-3, "weight_decay": 0.01,
+    "warmup_steps": 20, "lr_scheduler_type": "cosine", "eval_steps": 50, "logging_steps": 25, "save_strategy": "no",
+    "sample_tokens": 24,
+}
+QUICK_SCHEDULE = {
+    "vocab_size": 300, "block_size": 32, "max_train_blocks": 64, "max_eval_blocks": 8, "max_steps": 6,
+    "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "learning_rate": 3e-3, "warmup_steps": 1,
+    "weight_decay": 0.01, "lr_scheduler_type": "cosine", "eval_steps": 3, "logging_steps": 3, "save_strategy": "no",
+    "sample_tokens": 4,
+}
+EVAL_SETS = ("docs", "code")
+COMPONENTS = ("cross_entropy", "error_entropy", "self_alignment", "confidence", "top1")
+
+
+def sweep_parser(description: str, out: str) -> argparse.ArgumentParser:
+    """--out, --quick, --workers, --threads and --replot; the example adds its own sweep options."""
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False,
+                                epilog="Unknown options are passed to every hf-mhce train run.")
+    p.add_argument("--out", default=out, help="output directory")
+    p.add_argument("--quick", action="store_true", help="reduced size, same code path (the test)")
+    p.add_argument("--workers", type=int, default=2, help="parallel runs (1: in this process)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    p.add_argument("--replot", action="store_true",
+                   help="no training: redo the analysis, table, verdict and plot from <out>/results.json")
+    return p
+
+
+def eval_metrics(summary: dict) -> dict:
+    """{<set>_loss, <set>_<component>} of a run's final evaluation, for every eval set."""
+    final = summary["final_eval"]
+    row = {}
+    for s in EVAL_SETS:
+        row[f"{s}_loss"] = final[f"eval_{s}_loss"]
+        for c in COMPONENTS:
+            row[f"{s}_{c}"] = final[f"eval_{s}_rbe_{c}"]
+    return row
 
 
 def options_argv(options: dict) -> list[str]:

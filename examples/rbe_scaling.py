@@ -59,49 +59,30 @@ models fit the training set better and are more confident, which these held-out 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import time
 
-from parallel_runs import options_argv, prepare_tokenizer, run_jobs
+from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, eval_metrics, options_argv, prepare_tokenizer,
+                           run_jobs, sweep_parser)
 from reporting import load_results, save_figure, write_report
 
 DEFAULT_SIZES = ["16x1", "24x1", "32x1", "48x1", "64x2", "96x2", "128x3", "192x4", "256x5", "384x6"]
 QUICK_SIZES = ["16x1", "24x1", "32x1", "32x2", "48x2"]
-# The schedule of every run (hf-mhce train options); --quick replaces it by REDUCED.
-DEFAULT = {
-    "vocab_size": 4096, "block_size": 64, "max_eval_blocks": 100000, "max_steps": 250,
-    "per_device_train_batch_size": 16, "per_device_eval_batch_size": 32, "learning_rate": 3e-3, "weight_decay": 0.01,
-    "warmup_steps": 20, "lr_scheduler_type": "cosine", "eval_steps": 50, "logging_steps": 25, "save_strategy": "no",
-    "sample_tokens": 24,
-}
-REDUCED = {
-    "vocab_size": 300, "block_size": 32, "max_train_blocks": 64, "max_eval_blocks": 8, "max_steps": 6,
-    "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4, "learning_rate": 3e-3, "warmup_steps": 1,
-    "weight_decay": 0.01, "lr_scheduler_type": "cosine", "eval_steps": 3, "logging_steps": 3, "save_strategy": "no",
-    "sample_tokens": 4,
-}
-EVAL_SETS = ("docs", "code")
-COMPONENTS = ("cross_entropy", "error_entropy", "self_alignment", "confidence", "top1")
+# The schedule of every run is parallel_runs.SCHEDULE (QUICK_SCHEDULE with --quick); sizes vary.
+DEFAULT = {**SCHEDULE, "max_steps": 250}
+REDUCED = QUICK_SCHEDULE
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False,
-                                epilog="Unknown options are passed to every hf-mhce train run.")
-    p.add_argument("--out", default="outputs/rbe_scaling", help="output directory")
-    p.add_argument("--quick", action="store_true", help="reduced size, same code path (the test)")
+    p = sweep_parser(__doc__.split("\n")[0], "outputs/rbe_scaling")
     p.add_argument("--sizes", nargs="+", default=None, help="DxL (hidden size x layers); at least 3")
     p.add_argument("--head_dim", type=int, default=None, help="attention head size (default 32; quick 8)")
     p.add_argument("--steps", type=int, default=None, help="training steps of every size")
     p.add_argument("--loss", choices=["ce", "mhce"], default="ce")
     p.add_argument("--num_heads", type=int, default=4, help="MHCE heads with --loss mhce")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=2, help="parallel runs (1: in this process)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run")
-    p.add_argument("--replot", action="store_true",
-                   help="no training: redo the fits, table, verdict and plot from <out>/results.json")
     args, extra = p.parse_known_args(argv)
     args.sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     args.head_dim = args.head_dim or (8 if args.quick else 32)
@@ -125,15 +106,12 @@ def size_row(size: str, summary: dict, run_dir: str) -> dict:
     with open(os.path.join(run_dir, "config.json")) as f:
         cfg = json.load(f)
     embedding = cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg.get("tie_word_embeddings") else 2)
-    final = summary["final_eval"]
     row = {"size": size, "hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
            "intermediate_size": cfg["intermediate_size"], "parameters": summary["parameters"],
            "non_embedding_parameters": summary["parameters"] - embedding,
-           "train_loss": summary["train"]["train_loss"], "wall_seconds": summary["wall_seconds"]}
+           "train_loss": summary["train"]["train_loss"], "wall_seconds": summary["wall_seconds"],
+           **eval_metrics(summary)}
     for s in EVAL_SETS:
-        row[f"{s}_loss"] = final[f"eval_{s}_loss"]
-        for c in COMPONENTS:
-            row[f"{s}_{c}"] = final[f"eval_{s}_rbe_{c}"]
         row[f"{s}_ee_share"] = row[f"{s}_error_entropy"] / row[f"{s}_cross_entropy"]
     return row
 

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .torch_sweep import SweepStats
 from .triton_ranks import mixture_ranks
-from .triton_tile import dot_settings, launch_config, logits_tile, softcap_fn, split_constexprs
+from .triton_tile import dot_settings, launch_config, logits_tile, softcap_fn
 
 
 @triton.jit
@@ -100,9 +100,10 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     n, d = x.shape
     v = w.shape[0]
     dh = d // num_heads
-    cfg, host = split_constexprs(launch_config("forward", x.dtype, dh), "SPLITS")
+    cfg = launch_config("forward", x.dtype, dh)
+    requested = cfg.pop("SPLITS")  # host side: the grid, not a kernel argument
     n_blocks, v_blocks = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(v, cfg["BLOCK_V"])
-    splits = vocab_splits(n_blocks * num_heads, v_blocks, x.device, host.get("SPLITS"))
+    splits = vocab_splits(n_blocks * num_heads, v_blocks, x.device, requested)
     per_split = triton.cdiv(v_blocks, splits) * cfg["BLOCK_V"]
     splits = triton.cdiv(v, per_split)  # no empty split: each holds at least one column
     f32 = {"dtype": torch.float32, "device": x.device}

@@ -83,11 +83,6 @@ def override_tiles(kernel: str, **settings):
             _overrides[kernel] = previous
 
 
-def split_constexprs(cfg: dict, *names: str) -> tuple[dict, dict]:
-    """(kernel keyword arguments, host-side settings): ``names`` stay on the host."""
-    return {k: v for k, v in cfg.items() if k not in names}, {k: cfg[k] for k in names if k in cfg}
-
-
 @triton.jit
 def dot(a, b, acc, DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     if DOT_UPCAST:

@@ -127,7 +127,8 @@ class RBECallback(TrainerCallback):
             check_replicas_in_sync(model)
 
     def on_prediction_step(self, args, state, control, model=None, eval_dataloader=None, **kwargs):
-        _check_not_data_parallel(args)
+        if self._model is None:  # not attached at init: this is the first batch of an evaluation
+            _check_not_data_parallel(args)
         if self._model is None and model is not None:
             self._attach(model)  # added with trainer.add_callback after init: this batch was missed
             self._late = True
