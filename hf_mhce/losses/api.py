@@ -9,16 +9,18 @@ from .collect import active_sink
 from .functions import MixtureLogprobs, MultiHeadTokenLoss
 
 
-def _autocast(hidden, weight, bias):
+def _autocast(hidden, weight, bias, low_rank=None):
     """Cast like nn.Linear under torch.autocast: to the autocast dtype (differentiably)."""
-    tensors = (hidden, weight) + ((bias,) if bias is not None else ())
+    pair = tuple(low_rank) if isinstance(low_rank, (tuple, list)) else ()
+    tensors = (hidden, weight) + ((bias,) if bias is not None else ()) + pair
     if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
-        return hidden, weight, bias  # let the checks name the problem
+        return hidden, weight, bias, low_rank  # let the checks name the problem
     device_type = hidden.device.type
     if not torch.is_autocast_enabled(device_type):
-        return hidden, weight, bias
+        return hidden, weight, bias, low_rank
     dtype = torch.get_autocast_dtype(device_type)
-    return hidden.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
+    pair = tuple(t.to(dtype) for t in pair) if pair else low_rank
+    return hidden.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None), pair
 
 
 def _reduce(losses, valid, label_shape, reduction, num_items_in_batch):
@@ -52,6 +54,7 @@ def multi_head_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     backend: str | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Multi-head cross-entropy of ``hidden @ weight.T`` without materialising the logits.
 
@@ -76,15 +79,27 @@ def multi_head_cross_entropy(
 
     backend: "auto" (Triton on CUDA, chunked torch elsewhere), "triton" or "torch"; defaults to
     the environment variable ``HF_MHCE_BACKEND``.
+
+    low_rank: optional pair (U [..., num_heads, R], B [V, R]) adding ``U[..., h, :] @ B.T`` to head
+    h's logits (before bias and softcap), in the same sweeps.  A LoRA adapter on the head is
+    ``U_h = A[:, slice h] @ dropout(hidden)_h`` and ``B = scaling * lora_B``: this is how the patch
+    trains one without a widened [V, D + H*R] copy of the weight, and without computing dW when
+    ``weight`` is frozen.  Same dtype and device as ``hidden``.
     """
-    hidden, weight, bias = _autocast(hidden, weight, bias)  # first: autocast admits mixed dtypes
+    # first: autocast admits mixed dtypes
+    hidden, weight, bias, low_rank = _autocast(hidden, weight, bias, low_rank)
     checks.check_matrices(hidden, weight, bias)
     checks.check_heads(num_heads, weight.shape[1])
+    checks.check_low_rank(low_rank, hidden, weight, num_heads)
     checks.check_options(reduction, label_smoothing, z_loss, softcap, num_items_in_batch)
     inputs = checks.prepare(hidden, weight, bias, labels, ignore_index)
+    low_u, low_b = (None, None)
+    if low_rank is not None:
+        low_u = low_rank[0].reshape(-1, num_heads, low_rank[1].shape[1]).contiguous()
+        low_b = low_rank[1].contiguous()
     ops = dispatch.resolve(backend, hidden.device, hidden.dtype)
     losses = MultiHeadTokenLoss.apply(
-        inputs.hidden, inputs.weight, inputs.bias, inputs.labels, inputs.valid, num_heads,
+        inputs.hidden, inputs.weight, inputs.bias, low_u, low_b, inputs.labels, inputs.valid, num_heads,
         float(softcap) if softcap is not None else None, float(label_smoothing), float(z_loss), ops,
         active_sink(),
     )
@@ -104,15 +119,17 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     backend: str | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T + bias, labels)`` without materialising the logits.
 
-    The one-head case of :func:`multi_head_cross_entropy`; same keywords and rules.
+    The one-head case of :func:`multi_head_cross_entropy`; same keywords and rules (``low_rank``'s
+    U is then [..., 1, R]).
     """
     return multi_head_cross_entropy(
         hidden, weight, labels, 1, bias=bias, ignore_index=ignore_index, reduction=reduction,
         num_items_in_batch=num_items_in_batch, label_smoothing=label_smoothing, z_loss=z_loss,
-        softcap=softcap, backend=backend,
+        softcap=softcap, backend=backend, low_rank=low_rank,
     )
 
 
@@ -130,7 +147,7 @@ def multi_head_logprobs(
     vocabulary/token blocks (never an [N, H, V] tensor); differentiable.  The output is [N, V] by
     nature, so every device computes it with the blocked torch sweeps (cuBLAS matmuls on GPU).
     """
-    hidden, weight, bias = _autocast(hidden, weight, bias)
+    hidden, weight, bias, _ = _autocast(hidden, weight, bias)
     checks.check_matrices(hidden, weight, bias)
     checks.check_heads(num_heads, weight.shape[1])
     checks.check_options("mean", 0.0, 0.0, softcap, None)

@@ -61,6 +61,30 @@ def check_matrices(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
 
 
+def check_low_rank(low_rank, hidden: torch.Tensor, weight: torch.Tensor, num_heads: int) -> None:
+    """``low_rank`` = (U [..., H, R], B [V, R]) with hidden's leading shape, dtype and device."""
+    if low_rank is None:
+        return
+    if not isinstance(low_rank, (tuple, list)) or len(low_rank) != 2:
+        raise TypeError(f"low_rank must be a pair (U, B) of tensors, got {type(low_rank).__name__}")
+    u, b = low_rank
+    for name, t in (("low_rank U", u), ("low_rank B", b)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating point torch.Tensor")
+        if t.dtype != hidden.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but hidden has {hidden.dtype}; they must match")
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if b.dim() != 2 or b.shape[0] != weight.shape[0] or b.shape[1] < 1:
+        raise ValueError(f"low_rank B must be [V, R] = [{weight.shape[0]}, R >= 1], got shape {tuple(b.shape)}")
+    want = tuple(hidden.shape[:-1]) + (num_heads, b.shape[1])
+    if tuple(u.shape) != want:
+        raise ValueError(
+            f"low_rank U must be [..., num_heads, R] = {want} (hidden's leading shape, then one R-vector "
+            f"per head), got {tuple(u.shape)}"
+        )
+
+
 def check_options(reduction: str, label_smoothing: float, z_loss: float, softcap, num_items_in_batch) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")

@@ -14,37 +14,40 @@ class MultiHeadTokenLoss(torch.autograd.Function):
     """Per-token MHCE loss [N]; the incoming gradient is per token, so every reduction is exact."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, valid, num_heads, softcap, label_smoothing, z_loss, ops,
-                sink=None):
+    def forward(ctx, hidden, weight, bias, low_u, low_b, labels, valid, num_heads, softcap, label_smoothing,
+                z_loss, ops, sink=None):
+        low_rank = (low_u, low_b) if low_u is not None else None
         with torch.autocast(hidden.device.type, enabled=False):
             stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0,
-                                      need_ranks=sink is not None)
+                                      need_ranks=sink is not None, low_rank=low_rank)
             losses = mixture.token_losses(
                 stats.lse, stats.target, stats.logit_sum, valid, weight.shape[0], label_smoothing, z_loss
             )
             if sink is not None:
                 sink(stats.ranks[valid], mixture.token_nll(stats.lse[valid], stats.target[valid]))
-        ctx.save_for_backward(hidden, weight, bias, labels, valid, stats.lse, stats.target)
+        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, labels, valid, stats.lse, stats.target)
         ctx.options = (num_heads, softcap, label_smoothing, z_loss, ops)
         return losses
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_tokens):
-        hidden, weight, bias, labels, valid, lse, target = ctx.saved_tensors
+        hidden, weight, bias, low_u, low_b, labels, valid, lse, target = ctx.saved_tensors
         num_heads, softcap, label_smoothing, z_loss, ops = ctx.options
-        needs = tuple(ctx.needs_input_grad[:3])
+        low_rank = (low_u, low_b) if low_u is not None else None
+        needs = tuple(ctx.needs_input_grad[:5 if low_rank is not None else 3])
         if not any(needs):
-            return (None,) * 11
+            return (None,) * 13
         with torch.autocast(hidden.device.type, enabled=False):
             alpha, beta, gamma = mixture.grad_coefficients(
                 lse, target, valid, grad_tokens, weight.shape[0], label_smoothing, z_loss
             )
-            dx, dw, db = ops.backward(
+            grads = ops.backward(
                 hidden, weight, bias, labels, lse, alpha.contiguous(), beta.contiguous(),
-                gamma.contiguous(), num_heads, softcap, needs,
+                gamma.contiguous(), num_heads, softcap, needs, low_rank=low_rank,
             )
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        grads = tuple(grads) + (None,) * (13 - len(grads))  # no gradient for the low-rank pair when absent
+        return grads
 
 
 class MixtureLogprobs(torch.autograd.Function):

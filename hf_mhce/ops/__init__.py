@@ -10,5 +10,6 @@ implementations with the same signatures:
 ``mixture`` turns the per-head statistics into losses and gradient coefficients.
 Conventions: hidden [N, D] and weight [V, D] contiguous, labels [N] int64 with -1 for ignored
 tokens, per-head statistics [N, H] in the compute dtype (float32; float64 on the torch path for
-float64 inputs).
+float64 inputs).  An optional ``low_rank`` pair (U [N, H, R], B [V, R]), contiguous and in hidden's
+dtype, adds U_h B^T to head h's logits (LoRA on the head).
 """

@@ -10,6 +10,10 @@ already in the compute dtype.
 Loops run over vocabulary chunks outermost so that each weight chunk is upcast once and its
 gradient is accumulated in the compute dtype (float32, or float64 for float64 inputs) and written
 to dW once: no low-precision accumulation of dW across chunks.
+
+``low_rank`` = (U [N, H, R], B [V, R]) adds a rank-R term to every head, y_h += U_h B^T: a LoRA
+adapter on the head (B shared by the heads, U_h = A_h x_h) without a widened [V, D + H*R] copy
+of the weight, and with dW of a frozen base weight skipped (see ``backward``'s ``needs``).
 """
 
 from __future__ import annotations
@@ -60,8 +64,9 @@ def _blocks(total: int, size: int):
 class _Problem:
     """Inputs of one sweep, viewed per head, with block iteration helpers."""
 
-    def __init__(self, x, w, bias, num_heads, softcap):
+    def __init__(self, x, w, bias, num_heads, softcap, low_rank=None):
         self.x, self.w, self.bias, self.h, self.softcap = x, w, bias, num_heads, softcap
+        self.u, self.b = low_rank if low_rank is not None else (None, None)
         self.n, self.d = x.shape
         self.v = w.shape[0]
         self.dh = self.d // num_heads
@@ -77,9 +82,17 @@ class _Problem:
         """[H, rows, Dh] compute-dtype view of hidden rows n0:n1."""
         return self.x[n0:n1].to(self.cdt).view(n1 - n0, self.h, self.dh).transpose(0, 1)
 
-    def logits(self, xc, wc, v0, v1):
-        """Logits block [H, rows, cols] in compute dtype, softcap applied."""
+    def low_rank_chunk(self, n0, n1, v0, v1):
+        """(U [H, rows, R], B^T [R, cols]) in compute dtype, or None without a low-rank term."""
+        if self.u is None:
+            return None
+        return self.u[n0:n1].to(self.cdt).transpose(0, 1), self.b[v0:v1].to(self.cdt).T
+
+    def logits(self, xc, wc, v0, v1, lr=None):
+        """Logits block [H, rows, cols] in compute dtype, softcap applied (lr: ``low_rank_chunk``)."""
         y = torch.matmul(xc, wc)
+        if lr is not None:
+            y = y + torch.matmul(*lr)
         if self.bias is not None:
             y = y + self.bias[v0:v1].to(self.cdt)
         return y if self.softcap is None else self.softcap * torch.tanh(y / self.softcap)
@@ -94,7 +107,7 @@ class SweepStats(NamedTuple):
     ranks: torch.Tensor | None
 
 
-def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False):
+def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False, low_rank=None):
     """Per-head logsumexp, target logit, optional logit sum and optional target ranks.
 
     ``labels`` [N] int64, -1 for ignored tokens (their statistics are computed but unused).
@@ -105,7 +118,7 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     float32 values: entries whose logits equal the target's exactly (e.g. duplicated rows with
     exact products) rank below it; values equal only up to rounding may fall either side.
     """
-    pb = _Problem(x, w, bias, num_heads, softcap)
+    pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     target = target_logits(pb, labels)
     lse, logit_sum, ranks = _lse_sweep(pb, need_logit_sum, labels if need_ranks and num_heads == 1 else None, target)
     if need_ranks and num_heads > 1:
@@ -120,6 +133,8 @@ def target_logits(pb: _Problem, labels):
         xt = pb.x[n0:n1].to(pb.cdt).view(n1 - n0, pb.h, pb.dh)
         wt = pb.w[t].to(pb.cdt).view(n1 - n0, pb.h, pb.dh)
         z = (xt * wt).sum(-1)
+        if pb.u is not None:
+            z = z + (pb.u[n0:n1].to(pb.cdt) * pb.b[t].to(pb.cdt)[:, None, :]).sum(-1)
         if pb.bias is not None:
             z = z + pb.bias[t].to(pb.cdt)[:, None]
         out[n0:n1] = z if pb.softcap is None else pb.softcap * torch.tanh(z / pb.softcap)
@@ -145,7 +160,7 @@ def _lse_sweep(pb: _Problem, need_logit_sum: bool, rank_labels=None, target=None
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
             m_old = m[:, n0:n1]
             m_new = torch.maximum(m_old, y.amax(dim=-1))
             s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - m_new) + torch.exp(y - m_new[..., None]).sum(-1)
@@ -172,25 +187,29 @@ def _mixture_rank_sweep(pb: _Problem, lse, target, labels):
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
             mix = _logsumexp_heads(y - lse_t[:, n0:n1, None])
             ranks[n0:n1] += _count_above(mix, mix_target[n0:n1], labels[n0:n1], v0)
     return ranks
 
 
-def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs):
-    """Gradients (dX, dW, dB) of sum_n loss_n given the coefficients of ``mixture.grad_coefficients``.
+def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs, low_rank=None):
+    """Gradients (dX, dW, dB[, dU, dB_low]) of sum_n loss_n given ``mixture.grad_coefficients``.
 
     dy[n, h, j] = alpha[n, h] * p[n, h, j] - beta[n, h] * [j == t_n] - gamma[n]; ``needs`` says
-    which of (dX, dW, dB) to produce (None in place of the others).  labels: -1 marks ignored tokens.
+    which gradients to produce (None in place of the others): three flags, five with ``low_rank``
+    (its U and B last).  labels: -1 marks ignored tokens.
     """
-    pb = _Problem(x, w, bias, num_heads, softcap)
+    pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     valid = labels >= 0
     dev = x.device
-    need_dx, need_dw, need_db = needs
+    need_dx, need_dw, need_db = needs[:3]
+    need_du, need_dlb = needs[3:] if low_rank is not None else (False, False)
     dx = torch.zeros(pb.n, pb.h, pb.dh, dtype=pb.cdt, device=dev) if need_dx else None
     dw = torch.empty_like(w) if need_dw else None
     db = torch.zeros(pb.v, dtype=pb.cdt, device=dev) if need_db else None
+    du = torch.zeros(pb.u.shape, dtype=pb.cdt, device=dev) if need_du else None  # [N, H, R]
+    dlb = torch.zeros(pb.b.shape, dtype=pb.cdt, device=dev) if need_dlb else None  # [V, R]
     lse_t, alpha_t, beta_t = lse.T, alpha.T, beta.T  # [H, N]
     any_invalid = not bool(valid.all())
     for v0, v1 in _blocks(pb.v, pb.cols):
@@ -198,7 +217,8 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
         dwc = torch.zeros(pb.h, v1 - v0, pb.dh, dtype=pb.cdt, device=dev) if need_dw else None
         for n0, n1 in _blocks(pb.n, pb.rows):
             xc = pb.hidden_chunk(n0, n1)
-            y = pb.logits(xc, wc, v0, v1)
+            lr = pb.low_rank_chunk(n0, n1, v0, v1)
+            y = pb.logits(xc, wc, v0, v1, lr)
             dz = torch.exp(y - lse_t[:, n0:n1, None]).mul_(alpha_t[:, n0:n1, None])
             dz -= gamma[None, n0:n1, None]
             t = labels[n0:n1]
@@ -215,11 +235,17 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
                 dwc += torch.matmul(dz.transpose(1, 2), xc)
             if need_db:
                 db[v0:v1] += dz.sum(dim=(0, 1))
+            if need_du:  # [H, rows, cols] @ [cols, R]
+                du[n0:n1] += torch.matmul(dz, lr[1].T).transpose(0, 1)
+            if need_dlb:  # B is shared by the heads: sum of [cols, rows] @ [rows, R] over heads
+                dlb[v0:v1] += torch.matmul(dz.transpose(1, 2), lr[0]).sum(0)
         if need_dw:
             dw[v0:v1] = dwc.permute(1, 0, 2).reshape(v1 - v0, pb.d)
     dx = dx.view(pb.n, pb.d).to(x.dtype) if need_dx else None
     db = db.to(bias.dtype) if need_db else None
-    return dx, dw, db
+    if low_rank is None:
+        return dx, dw, db
+    return dx, dw, db, (du.to(pb.u.dtype) if need_du else None), (dlb.to(pb.b.dtype) if need_dlb else None)
 
 
 def mixture_logprobs(x, w, bias, num_heads, softcap):

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tile import dot, dot_settings, launch_config, logits_tile
+from .triton_tile import dot, dot_settings, launch_config, logits_tile, low_rank_args
 
 DEFAULT_WORKSPACE_MB = 512.0
 
@@ -40,10 +40,12 @@ def workspace_bytes() -> int:
 
 @triton.jit
 def _backward_kernel(
-    X, W, B, Labels, Lse, Alpha, Beta, Gamma, DX, DW, DB,
-    n_start, n_end, v_start, v_end, Dh, stride_x, stride_w, stride_dx, stride_dw, softcap,
-    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    X, W, B, U, LB, Labels, Lse, Alpha, Beta, Gamma, DX, DW, DB, DU, DLB,
+    n_start, n_end, v_start, v_end, Dh, R, stride_x, stride_w, stride_u, stride_lb, stride_dx, stride_dw,
+    softcap,
+    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
+    NEED_DU: tl.constexpr, NEED_DLB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -66,8 +68,9 @@ def _backward_kernel(
     # Tiles of ignored tokens only (padding) contribute nothing: skip their matmuls.
     if tl.sum(row_valid.to(tl.int32), axis=0) > 0:
         col0 = head * Dh
-        y = logits_tile(X, W, B, rows, cols, row_mask, col_mask, col0, Dh, stride_x, stride_w, softcap,
-                        HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
+        y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, head * R, R,
+                        stride_x, stride_w, stride_u, stride_lb, softcap,
+                        HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
         stat = rows * NUM_HEADS + head
         lse = tl.load(Lse + stat, mask=row_valid, other=0.0)
         alpha = tl.load(Alpha + stat, mask=row_valid, other=0.0)
@@ -98,23 +101,49 @@ def _backward_kernel(
                          DOT_UPCAST, PRECISION)
                 tl.atomic_add(DW + (cols - v_start)[:, None] * stride_dw + ks[None, :], dw,
                               mask=col_mask[:, None] & k_mask[None, :])
+        # Low-rank term: dU = dY LB into U's layout, dLB = dY^T U summed over heads (shared LB);
+        # both accumulators cover all tokens / all of V (they are small: R columns).
+        for r0 in range(0, R, BLOCK_K):
+            rs = r0 + tl.arange(0, BLOCK_K)
+            r_mask = rs < R
+            if NEED_DU:
+                b = tl.load(LB + cols[:, None] * stride_lb + rs[None, :],
+                            mask=col_mask[:, None] & r_mask[None, :], other=0.0)
+                du = dot(dy_in, b, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), DOT_UPCAST, PRECISION)
+                tl.atomic_add(DU + rows[:, None] * stride_u + (head * R + rs)[None, :], du,
+                              mask=row_mask[:, None] & r_mask[None, :])
+            if NEED_DLB:
+                u = tl.load(U + rows[:, None] * stride_u + (head * R + rs)[None, :],
+                            mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+                dlb = dot(tl.trans(dy_in), u, tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32), DOT_UPCAST, PRECISION)
+                tl.atomic_add(DLB + cols[:, None] * stride_lb + rs[None, :], dlb,
+                              mask=col_mask[:, None] & r_mask[None, :])
 
 
-def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs):
-    """Triton counterpart of ``torch_sweep.backward`` (labels: -1 marks ignored tokens)."""
+def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs, low_rank=None):
+    """Triton counterpart of ``torch_sweep.backward`` (labels: -1 marks ignored tokens).
+
+    The low-rank gradients (needs[3:], U and B of ``low_rank``) accumulate in float32 buffers over
+    all tokens / all of V, outside the workspace bound: they have R columns, not D.
+    """
     n, d = x.shape
     v = w.shape[0]
-    need_dx, need_dw, need_db = needs
+    need_dx, need_dw, need_db = needs[:3]
+    need_du, need_dlb = needs[3:] if low_rank is not None else (False, False)
     dev = x.device
     cfg = launch_config("backward", x.dtype, d // num_heads)
-    db = torch.zeros(v, dtype=torch.float32, device=dev) if need_db else None
-    launch = _Launcher(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, cfg, db)
+    f32 = {"dtype": torch.float32, "device": dev}
+    db = torch.zeros(v, **f32) if need_db else None
+    du = torch.zeros(low_rank[0].shape, **f32) if need_du else None
+    dlb = torch.zeros(low_rank[1].shape, **f32) if need_dlb else None
+    launch = _Launcher(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, cfg, low_rank, db, du, dlb)
+    side = (need_db, need_du, need_dlb)
 
     if x.dtype == torch.float32:  # outputs are float32 already: they are the accumulators
         dx = torch.zeros_like(x) if need_dx else None
         dw = torch.zeros_like(w) if need_dw else None
-        launch((0, n), (0, v), dx, dw, need_db)
-        return dx, dw, (db.to(bias.dtype) if need_db else None)
+        launch((0, n), (0, v), dx, dw, *side)
+        return _outputs(dx, dw, db, du, dlb, bias, low_rank)
 
     budget = workspace_bytes()
     row_bytes = d * 4
@@ -122,23 +151,31 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
     dw = torch.empty_like(w) if need_dw else None
     fused = need_dx and need_dw and n * row_bytes + cfg["BLOCK_V"] * row_bytes <= budget
     if fused or not need_dw:  # one pass: float32 dX for all tokens (+ dW by vocabulary range)
-        dx32 = torch.zeros(n, d, dtype=torch.float32, device=dev) if need_dx else None
+        dx32 = torch.zeros(n, d, **f32) if need_dx else None
         left = budget - (n * row_bytes if need_dx else 0)
         for v0, v1, ws in _ranges(v, left // row_bytes, cfg["BLOCK_V"], d, dev, need_dw):
-            launch((0, n), (v0, v1), dx32, ws, need_db)
+            launch((0, n), (v0, v1), dx32, ws, *side)
             if need_dw:
                 dw[v0:v1] = ws[: v1 - v0]
         if need_dx:
             dx.copy_(dx32)
     else:  # bounded memory: a dW pass over vocabulary ranges, then a dX pass over token ranges
         for v0, v1, ws in _ranges(v, budget // row_bytes, cfg["BLOCK_V"], d, dev, True):
-            launch((0, n), (v0, v1), None, ws, need_db)
+            launch((0, n), (v0, v1), None, ws, need_db, False, need_dlb)
             dw[v0:v1] = ws[: v1 - v0]
         if need_dx:
             for n0, n1, ws in _ranges(n, budget // row_bytes, cfg["BLOCK_N"], d, dev, True):
-                launch((n0, n1), (0, v), ws, None, False)  # dB came with the dW pass
+                launch((n0, n1), (0, v), ws, None, False, need_du, False)  # dB, dLB came with the dW pass
                 dx[n0:n1] = ws[: n1 - n0]
-    return dx, dw, (db.to(bias.dtype) if db is not None else None)
+    return _outputs(dx, dw, db, du, dlb, bias, low_rank)
+
+
+def _outputs(dx, dw, db, du, dlb, bias, low_rank):
+    db = db.to(bias.dtype) if db is not None else None
+    if low_rank is None:
+        return dx, dw, db
+    return (dx, dw, db, du.to(low_rank[0].dtype) if du is not None else None,
+            dlb.to(low_rank[1].dtype) if dlb is not None else None)
 
 
 def _ranges(total, rows_fit, multiple, d, device, need_workspace):
@@ -152,25 +189,29 @@ def _ranges(total, rows_fit, multiple, d, device, need_workspace):
 
 
 class _Launcher:
-    """Launches the kernel over a token range x a vocabulary range into the given accumulators."""
+    """Launches the kernel over a token range x a vocabulary range into the given accumulators
+    (dX, dW relative to the ranges; dB, dU, dLB over all tokens / all of V)."""
 
-    def __init__(self, x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, cfg, db):
-        self.args = (x, w, bias if bias is not None else lse, labels, lse, alpha, beta, gamma)
-        self.x, self.w, self.db, self.cfg = x, w, db, cfg
+    def __init__(self, x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, cfg, low_rank, db, du, dlb):
+        u, lb, self.rank, self.stride_u, self.stride_lb = low_rank_args(low_rank, lse)
+        self.args = (x, w, bias if bias is not None else lse, u, lb, labels, lse, alpha, beta, gamma)
+        self.x, self.w, self.cfg, self.side = x, w, cfg, (db, du, dlb)
         self.num_heads, self.softcap, self.has_bias = num_heads, softcap, bias is not None
+        self.has_low_rank = low_rank is not None
 
-    def __call__(self, token_range, vocab_range, dx_acc, dw_acc, with_db):
+    def __call__(self, token_range, vocab_range, dx_acc, dw_acc, with_db, with_du, with_dlb):
         (n0, n1), (v0, v1) = token_range, vocab_range
         cfg, d = self.cfg, self.x.shape[1]
-        dummy = self.args[4]
+        dummy = self.args[6]
+        db, du, dlb = (acc if use else dummy for acc, use in zip(self.side, (with_db, with_du, with_dlb)))
         grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]) * triton.cdiv(v1 - v0, cfg["BLOCK_V"]), self.num_heads)
         _backward_kernel[grid](
             *self.args,
-            dx_acc if dx_acc is not None else dummy, dw_acc if dw_acc is not None else dummy,
-            self.db if with_db else dummy,
-            n0, n1, v0, v1, d // self.num_heads, self.x.stride(0), self.w.stride(0), d, d,
+            dx_acc if dx_acc is not None else dummy, dw_acc if dw_acc is not None else dummy, db, du, dlb,
+            n0, n1, v0, v1, d // self.num_heads, self.rank, self.x.stride(0), self.w.stride(0),
+            self.stride_u, self.stride_lb, d, d,
             float(self.softcap) if self.softcap is not None else 1.0,
             NUM_HEADS=self.num_heads, HAS_BIAS=self.has_bias, HAS_SOFTCAP=self.softcap is not None,
-            NEED_DX=dx_acc is not None, NEED_DW=dw_acc is not None, NEED_DB=with_db,
-            **cfg, **dot_settings(self.x.dtype),
+            HAS_LOW_RANK=self.has_low_rank, NEED_DX=dx_acc is not None, NEED_DW=dw_acc is not None,
+            NEED_DB=with_db, NEED_DU=with_du, NEED_DLB=with_dlb, **cfg, **dot_settings(self.x.dtype),
         )

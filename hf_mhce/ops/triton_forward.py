@@ -16,15 +16,15 @@ import triton.language as tl
 
 from .torch_sweep import SweepStats
 from .triton_ranks import mixture_ranks
-from .triton_tile import dot_settings, launch_config, logits_tile, softcap_fn
+from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args, softcap_fn
 
 
 @triton.jit
 def _forward_kernel(
-    X, W, B, Labels, Lse, Target, LogitSum, Ranks,
-    N, V, V_PER_SPLIT, Dh, stride_x, stride_w, softcap,
-    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
-    NEED_RANKS: tl.constexpr,
+    X, W, B, U, LB, Labels, Lse, Target, LogitSum, Ranks,
+    N, V, V_PER_SPLIT, Dh, R, stride_x, stride_w, stride_u, stride_lb, softcap,
+    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
+    NEED_SUM: tl.constexpr, NEED_RANKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -47,6 +47,14 @@ def _forward_kernel(
         x = tl.load(X + rows[:, None] * stride_x + (col0 + ks)[None, :], mask=row_mask[:, None] & k_mask, other=0.0)
         w = tl.load(W + labels[:, None] * stride_w + (col0 + ks)[None, :], mask=row_valid[:, None] & k_mask, other=0.0)
         t_acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)
+    if HAS_LOW_RANK:
+        for r0 in range(0, R, BLOCK_K):
+            rs = r0 + tl.arange(0, BLOCK_K)
+            r_mask = (rs < R)[None, :]
+            u = tl.load(U + rows[:, None] * stride_u + (head * R + rs)[None, :], mask=row_mask[:, None] & r_mask,
+                        other=0.0)
+            b = tl.load(LB + labels[:, None] * stride_lb + rs[None, :], mask=row_valid[:, None] & r_mask, other=0.0)
+            t_acc += tl.sum(u.to(tl.float32) * b.to(tl.float32), axis=1)
     if HAS_BIAS:
         t_acc += tl.load(B + labels, mask=row_valid, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
@@ -61,8 +69,9 @@ def _forward_kernel(
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = cols < v_end
-        y = logits_tile(X, W, B, rows, cols, row_mask, col_mask, col0, Dh, stride_x, stride_w, softcap,
-                        HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
+        y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, head * R, R,
+                        stride_x, stride_w, stride_u, stride_lb, softcap,
+                        HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
         y = tl.where(col_mask[None, :], y, float("-inf"))
         m_new = tl.maximum(m, tl.max(y, axis=1))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new[:, None]), axis=1)
@@ -92,10 +101,11 @@ def vocab_splits(n_programs: int, v_blocks: int, device: torch.device, requested
     return max(1, min(int(requested), v_blocks))
 
 
-def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False):
+def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False, low_rank=None):
     """Triton counterpart of ``torch_sweep.forward_stats`` (same SweepStats, float32).
 
-    ``labels`` [N] int64 with -1 for ignored tokens; x [N, D] and w [V, D] contiguous.
+    ``labels`` [N] int64 with -1 for ignored tokens; x [N, D], w [V, D] and the optional
+    ``low_rank`` pair (U [N, H, R], B [V, R]) contiguous.
     """
     n, d = x.shape
     v = w.shape[0]
@@ -112,16 +122,18 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     logit_sum = torch.empty(splits, n, num_heads, **f32) if need_logit_sum else lse  # dummy when unused
     same_pass_ranks = need_ranks and num_heads == 1
     ranks = torch.empty(splits, n, dtype=torch.int64, device=x.device) if same_pass_ranks else labels
+    u, lb, rank, stride_u, stride_lb = low_rank_args(low_rank, x)
     _forward_kernel[(n_blocks, splits, num_heads)](
-        x, w, bias if bias is not None else x, labels, lse, target, logit_sum, ranks,
-        n, v, per_split, dh, x.stride(0), w.stride(0), float(softcap) if softcap is not None else 1.0,
+        x, w, bias if bias is not None else x, u, lb, labels, lse, target, logit_sum, ranks,
+        n, v, per_split, dh, rank, x.stride(0), w.stride(0), stride_u, stride_lb,
+        float(softcap) if softcap is not None else 1.0,
         NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **cfg, **dot_settings(x.dtype),
+        HAS_LOW_RANK=low_rank is not None, NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **cfg, **dot_settings(x.dtype),
     )
     lse = lse[0] if splits == 1 else torch.logsumexp(lse, dim=0)
     logit_sum = (logit_sum[0] if splits == 1 else logit_sum.sum(0)) if need_logit_sum else None
     if same_pass_ranks:
         ranks = ranks[0] if splits == 1 else ranks.sum(0)
     elif need_ranks:
-        ranks = mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap)
+        ranks = mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap, low_rank)
     return SweepStats(lse, target, logit_sum, ranks if need_ranks else None)

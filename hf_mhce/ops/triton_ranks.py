@@ -13,14 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tile import dot_settings, launch_config, logits_tile
+from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args
 
 
 @triton.jit
 def _mixture_rank_kernel(
-    X, W, B, Labels, Lse, Target, Ranks,
-    N, V, Dh, stride_x, stride_w, softcap,
-    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    X, W, B, U, LB, Labels, Lse, Target, Ranks,
+    N, V, Dh, R, stride_x, stride_w, stride_u, stride_lb, softcap,
+    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -45,8 +45,9 @@ def _mixture_rank_kernel(
         m = tl.full([BLOCK_N, BLOCK_V], float("-inf"), dtype=tl.float32)
         s = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
         for h in range(0, NUM_HEADS):
-            y = logits_tile(X, W, B, rows, cols, row_mask, col_mask, h * Dh, Dh, stride_x, stride_w, softcap,
-                            HAS_BIAS, HAS_SOFTCAP, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
+            y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, h * Dh, Dh, h * R, R,
+                            stride_x, stride_w, stride_u, stride_lb, softcap, HAS_BIAS, HAS_SOFTCAP,
+                            HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
             lp = y - tl.load(Lse + rows * NUM_HEADS + h, mask=row_mask, other=0.0)[:, None]
             new_max = tl.maximum(m, lp)
             s = s * tl.exp(m - new_max) + tl.exp(lp - new_max)
@@ -57,16 +58,19 @@ def _mixture_rank_kernel(
     tl.store(Ranks + rows, rank, mask=row_mask)
 
 
-def mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap):
+def mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap, low_rank=None):
     """Ranks [N] int64 under the mixture, from the forward's float32 lse and target [N, H]."""
     n, d = x.shape
     dh = d // num_heads
     ranks = torch.zeros(n, dtype=torch.int64, device=x.device)
     cfg = launch_config("ranks", x.dtype, dh)
+    u, lb, rank, stride_u, stride_lb = low_rank_args(low_rank, x)
     _mixture_rank_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, w, bias if bias is not None else x, labels, lse, target, ranks,
-        n, w.shape[0], dh, x.stride(0), w.stride(0), float(softcap) if softcap is not None else 1.0,
+        x, w, bias if bias is not None else x, u, lb, labels, lse, target, ranks,
+        n, w.shape[0], dh, rank, x.stride(0), w.stride(0), stride_u, stride_lb,
+        float(softcap) if softcap is not None else 1.0,
         NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+        HAS_LOW_RANK=low_rank is not None,
         **cfg, **dot_settings(x.dtype),
     )
     return ranks

@@ -1,7 +1,8 @@
 """Pieces shared by the Triton sweeps: the logits tile of one head and the launch settings.
 
 A tile is y[rows, cols] = softcap(X[rows, head cols] @ W[cols, head cols]^T + b[cols]) for one
-head (a contiguous slice of D of width Dh), accumulated in float32.  Offsets are 64-bit so that
+head (a contiguous slice of D of width Dh), accumulated in float32, plus an optional rank-R term
+(LoRA on the head).  Offsets are 64-bit so that
 N * V and V * D beyond 2^31 are addressed correctly.
 """
 
@@ -98,12 +99,17 @@ def softcap_fn(z, softcap):
 
 @triton.jit
 def logits_tile(
-    X, W, B, rows, cols, row_mask, col_mask, col0, Dh, stride_x, stride_w, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, u_col0, R,
+    stride_x, stride_w, stride_u, stride_lb, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Float32 logits tile [BLOCK_N, BLOCK_V] of one head (softcap applied when enabled)."""
+    """Float32 logits tile [BLOCK_N, BLOCK_V] of one head (softcap applied when enabled).
+
+    With HAS_LOW_RANK the rank-R term U[rows, u_col0:u_col0+R] @ LB[cols, :R]^T is added in the
+    same accumulator (a LoRA adapter on the head; see ``torch_sweep``).
+    """
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     for k0 in range(0, Dh, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -113,8 +119,26 @@ def logits_tile(
         w = tl.load(W + cols[:, None] * stride_w + (col0 + ks)[None, :],
                     mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc = dot(x, tl.trans(w), acc, DOT_UPCAST, PRECISION)
+    if HAS_LOW_RANK:
+        for r0 in range(0, R, BLOCK_K):
+            rs = r0 + tl.arange(0, BLOCK_K)
+            r_mask = rs < R
+            u = tl.load(U + rows[:, None] * stride_u + (u_col0 + rs)[None, :],
+                        mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+            b = tl.load(LB + cols[:, None] * stride_lb + rs[None, :],
+                        mask=col_mask[:, None] & r_mask[None, :], other=0.0)
+            acc = dot(u, tl.trans(b), acc, DOT_UPCAST, PRECISION)
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
         acc = softcap_fn(acc, softcap)
     return acc
+
+
+def low_rank_args(low_rank, fallback: torch.Tensor) -> tuple:
+    """Kernel arguments (U, LB, R, stride_u, stride_lb) of an optional (U [N, H, R], B [V, R]) pair;
+    placeholders (never read: HAS_LOW_RANK is false) without one."""
+    if low_rank is None:
+        return fallback, fallback, 0, 0, 0
+    u, b = low_rank
+    return u, b, b.shape[1], u.stride(0), b.stride(0)  # both contiguous: U row h*R + r, B row r
