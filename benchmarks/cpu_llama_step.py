@@ -43,14 +43,19 @@ def child(args) -> dict:
                          intermediate_size=args.hidden * 8 // 3 // 32 * 32, num_attention_heads=4, num_key_value_heads=4,
                          max_position_embeddings=args.seq, tie_word_embeddings=args.tie)
     model = LlamaForCausalLM(config)
+    if args.lora_head:  # frozen base, LoRA on attention and on the head (r=16)
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "v_proj", "lm_head"]))
     if VARIANTS[args.variant]:
         hf_mhce.apply_patch(model, **VARIANTS[args.variant])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
     def loss_of(ids):
         if args.variant == "no_head":  # the floor: the same step without any vocabulary projection
             hidden = model.get_decoder()(input_ids=ids).last_hidden_state
-            return hidden.square().mean() + 0.0 * model.get_output_embeddings().weight.sum()  # same grads to hold
+            head = [p for p in model.get_output_embeddings().parameters() if p.requires_grad]
+            return hidden.square().mean() + 0.0 * sum(p.sum() for p in head)  # same grads to hold
         return model(input_ids=ids, labels=ids).loss
 
     rows = args.tokens // args.seq
@@ -91,6 +96,8 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tie", action="store_true",
                    help="head tied to the input embedding, as Llama-3.2-1B/3B (one [V, D] matrix, not two)")
+    p.add_argument("--lora-head", action="store_true",
+                   help="PEFT LoRA (r=16) on q_proj, v_proj and lm_head, base weights frozen")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child process
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -102,7 +109,8 @@ def main(argv=None) -> dict:
     for variant in args.variants:
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant,
                *[x for k in ("vocab", "hidden", "layers", "tokens", "seq", "steps", "threads")
-                 for x in (f"--{k}", str(getattr(args, k)))], *(["--tie"] if args.tie else [])]
+                 for x in (f"--{k}", str(getattr(args, k)))], *(["--tie"] if args.tie else []),
+               *(["--lora-head"] if args.lora_head else [])]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE)
         if proc.returncode:
             raise RuntimeError(f"{variant} failed:\n{proc.stderr[-3000:]}")
@@ -112,12 +120,14 @@ def main(argv=None) -> dict:
               f"step {r['step_seconds']:.2f} s  loss {r['loss']:.4f}", flush=True)
     today = datetime.date.today().isoformat()
     result = {"date": today, "device": f"CPU, {os.cpu_count()} cores", "threads": args.threads, "tied": args.tie,
+              "lora_head": args.lora_head,
               **{k: getattr(args, k) for k in ("vocab", "hidden", "layers", "tokens", "seq", "steps")},
               "targets": {"peak_rss_vs_eager": 0.25, "time_vs_eager": 1.2}, "rows": rows}
     eager = next((r for r in rows if r["variant"] == "eager"), None)
     lines = [f"# One training step of a mini Llama, V={args.vocab}, N={args.tokens} tokens, CPU ({today})", "",
              f"{os.cpu_count()} CPUs, {args.threads} torch threads; hidden {args.hidden}, {args.layers} layers, "
-             f"{'head tied to the embedding' if args.tie else 'untied head'} "
+             f"{'head tied to the embedding' if args.tie else 'untied head'}"
+             f"{', frozen base with LoRA r=16 on q_proj, v_proj and lm_head' if args.lora_head else ''} "
              f"({rows[0]['parameters'] / 1e6:.1f}M parameters), {args.tokens // args.seq} x {args.seq} tokens, fp32, "
              f"AdamW; each variant in a fresh process; time = median of {args.steps} steps after a warm-up step. "
              "Targets: peak RSS <= 0.25x eager, time <= 1.2x eager.", "",
@@ -130,7 +140,8 @@ def main(argv=None) -> dict:
         lines.append(f"| {r['variant']} | {r['process_peak_mb']:.0f} | {ratio('process_peak_mb')} | "
                      f"{r['rss_before_steps_mb']:.0f} | {r['step_extra_mb']:.0f} | "
                      f"{ratio('step_extra_mb')} | {r['step_seconds']:.2f} | {ratio('step_seconds')} | {r['loss']:.4f} |")
-    write_record(args.out, f"cpu_llama_step{'-tied' if args.tie else ''}-{today}", result, "\n".join(lines))
+    suffix = ("-tied" if args.tie else "") + ("-lora-head" if args.lora_head else "")
+    write_record(args.out, f"cpu_llama_step{suffix}-{today}", result, "\n".join(lines))
     return result
 
 

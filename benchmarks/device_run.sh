@@ -24,8 +24,10 @@ case "$STAGE" in
     # 1. kernels vs float64 at LLM shapes (P1), and N*V > 2^31
     step gpu_suite python3 benchmarks/gpu_suite.py --out "$OUT"
     step gpu_suite_2pow31 python3 benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16 --out "$OUT"
+    step gpu_suite_lora python3 benchmarks/gpu_suite.py --tokens 4096 --heads 1 4 --dtypes bfloat16 --lora-rank 16 \
+      --reps 3 --out "$OUT"
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
-    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 330 --out "$OUT"
+    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 300 --out "$OUT"
     ;;
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -41,32 +41,55 @@ def eager_mhce(x, w, b, labels, heads):
     return -(mix[valid].gather(1, labels[valid, None])).mean()
 
 
-def run_case(n, v, d, heads, dtype, device, reps):
+def widen(x, w, u, lb, heads):
+    """The low-rank pair folded into widened operands (what the eager baseline multiplies)."""
+    v, d = w.shape
+    xs = torch.cat([x.unflatten(-1, (heads, d // heads)), u], -1).flatten(-2)
+    ws = torch.cat([w.unflatten(-1, (heads, d // heads)), lb.unsqueeze(1).expand(v, heads, lb.shape[1])], -1)
+    return xs, ws.flatten(-2)
+
+
+def run_case(n, v, d, heads, dtype, device, reps, rank=0):
+    """One (dtype, H) row.  With rank > 0 a LoRA-style low-rank pair (U [N, H, R], B [V, R]) is added
+    and the base weight is frozen: errors of dX, dU, dB_low and dB; dW is not computed."""
     g = torch.Generator(device="cpu").manual_seed(heads)
     x0 = torch.randn(n, d, generator=g).to(device)
     w0 = (torch.randn(v, d, generator=g) / math.sqrt(d)).to(device)
     b0 = (0.1 * torch.randn(v, generator=g)).to(device)
+    u0 = torch.randn(n, heads, max(rank, 1), generator=g).to(device)
+    lb0 = (torch.randn(v, max(rank, 1), generator=g) / math.sqrt(max(rank, 1))).to(device)
     labels = torch.randint(0, v, (n,), generator=g).to(device)
     labels[torch.rand(n, generator=g).to(device) < 0.1] = -100
+    names = ("loss", "dx", "dw", "db") + (("du", "dlb") if rank else ())
 
-    def grads(backend, dt, fn=None):
-        x, w, b = (t.to(dt).detach().requires_grad_() for t in (x0, w0, b0))
-        loss = fn(x, w, b) if fn else multi_head_cross_entropy(x, w, labels, heads, bias=b, backend=backend)
+    def leaves(dt):
+        x, w, b, u, lb = (t.to(dt).detach().requires_grad_() for t in (x0, w0, b0, u0, lb0))
+        return (x, w.requires_grad_(not rank), b) + ((u, lb) if rank else ())
+
+    def ours(backend, x, w, b, *low):
+        return multi_head_cross_entropy(x, w, labels, heads, bias=b, backend=backend, low_rank=low or None)
+
+    def eager(x, w, b, *low):
+        return eager_mhce(*(widen(x, w, *low, heads) if low else (x, w)), b, labels, heads)
+
+    def grads(dt, fn):
+        ts = leaves(dt)
+        loss = fn(*ts)
         loss.backward()
-        return loss.detach(), x.grad, w.grad, b.grad
+        return (loss.detach(),) + tuple(t.grad for t in ts)
 
-    ref = grads("torch", torch.float64)
-    ours = grads("triton", dtype)
-    row = {"dtype": str(dtype).replace("torch.", ""), "heads": heads,
-           **{f"err_{k}": rel(o, r) for k, o, r in zip(("loss", "dx", "dw", "db"), ours, ref)}}
+    ref = grads(torch.float64, lambda *ts: ours("torch", *ts))
+    got = grads(dtype, lambda *ts: ours("triton", *ts))
+    keep = [i for i, r in enumerate(ref) if r is not None]
+    row = {"dtype": str(dtype).replace("torch.", ""), "heads": heads, **({"lora_rank": rank} if rank else {}),
+           **{f"err_{names[i]}": rel(got[i], ref[i]) for i in keep}}
     if dtype != torch.float32:
-        eager = grads(None, dtype, fn=lambda x, w, b: eager_mhce(x, w, b, labels, heads))
-        row.update({f"eager_err_{k}": rel(o, r) for k, o, r in zip(("loss", "dx", "dw", "db"), eager, ref)})
+        base = grads(dtype, eager)
+        row.update({f"eager_err_{names[i]}": rel(base[i], ref[i]) for i in keep})
 
-    x, w, b = (t.to(dtype).detach().requires_grad_() for t in (x0, w0, b0))
+    ts = leaves(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for name, fn in (("ours", lambda: multi_head_cross_entropy(x, w, labels, heads, bias=b, backend="triton")),
-                     ("eager", lambda: eager_mhce(x, w, b, labels, heads))):
+    for name, fn in (("ours", lambda: ours("triton", *ts)), ("eager", lambda: eager(*ts))):
         fn().backward()  # warm-up / compile
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -75,7 +98,8 @@ def run_case(n, v, d, heads, dtype, device, reps):
         sync()
         t0 = time.perf_counter()
         for _ in range(reps):
-            x.grad = w.grad = b.grad = None
+            for t in ts:
+                t.grad = None
             fn().backward()
         sync()
         row[f"{name}_ms"] = 1000 * (time.perf_counter() - t0) / reps
@@ -93,6 +117,8 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="add a LoRA-style low-rank pair of this rank, base weight frozen (the low_rank path)")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = p.parse_args()
     device = torch.device(args.device)
@@ -100,12 +126,14 @@ def main():
     rows = []
     for dt in args.dtypes:
         for h in args.heads:
-            row = run_case(args.tokens, args.vocab, args.hidden, h, getattr(torch, dt), device, args.reps)
+            row = run_case(args.tokens, args.vocab, args.hidden, h, getattr(torch, dt), device, args.reps,
+                           args.lora_rank)
             rows.append(row)
             print(json.dumps(row))
-    stamp = f"{name}-{datetime.date.today().isoformat()}-gpu-suite"
+    stamp = f"{name}-{datetime.date.today().isoformat()}-gpu-suite" + (f"-lora{args.lora_rank}" if args.lora_rank else "")
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    lines = [f"# GPU suite: N={args.tokens}, V={args.vocab}, D={args.hidden} on {name}", "",
+    lora = f", LoRA-style low-rank pair r={args.lora_rank} with the base weight frozen" if args.lora_rank else ""
+    lines = [f"# GPU suite: N={args.tokens}, V={args.vocab}, D={args.hidden}{lora} on {name}", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(f"{r.get(k, ''):.3g}" if isinstance(r.get(k), float) else str(r.get(k, ""))
                                 for k in keys) + " |" for r in rows]

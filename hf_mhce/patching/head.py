@@ -2,16 +2,16 @@
 
 The ops read ``weight`` as a tensor, so a module wrapper around the head would be bypassed
 silently (the peer bug: LoRA on lm_head ignored).  Here the head module is resolved into its base
-weight/bias plus the active LoRA adapters, and LoRA is folded in *exactly* by widening the inner
-dimension:
+weight/bias plus the active LoRA adapters, and LoRA enters *exactly*:
 
-    W x + s B A drop(x) = [W, sB] . [x, A drop(x)]
+    W x + s B A drop(x) = W x + (s B) u,   u = A drop(x)  (rank R)
 
-For MHCE the hidden state is cut into H slices and head h uses only W_h x_h, so the widening is done
-per head: slice h of the new input is [x_h, A_h drop(x)_h] and of the new weight [W_h, sB].  Head h
-then sees the logits of its slice of the effective weight W + sBA, the gradient reaches W, A and B
-through autograd, and H = 1 is plain LoRA.  LoRA dropout is applied exactly once to the head input,
-as PEFT does.
+For MHCE the hidden state is cut into H slices and head h uses only W_h x_h, so u is formed per
+head, u_h = A_h drop(x)_h, and head h's logits are W_h x_h + s B u_h: the logits of its slice of the
+effective weight W + sBA.  The loss passes (u, sB) to the fused ops as their ``low_rank`` term (no
+copy of W, no dW for a frozen W); the logits path widens instead, [W_h, sB] . [x_h, u_h].  The
+gradient reaches W, A and B through autograd, H = 1 is plain LoRA, and LoRA dropout is applied
+exactly once to the head input, as PEFT does.
 """
 
 from __future__ import annotations
@@ -101,18 +101,43 @@ def effective_linear(
     parts: HeadParts, hidden: torch.Tensor, num_heads: int, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(hidden', weight', bias') with logits = hidden' weight'^T + bias' = scale * head(hidden), and
-    the per-head slicing of hidden' / weight' matching the slicing of hidden / weight."""
+    the per-head slicing of hidden' / weight' matching the slicing of hidden / weight.
+
+    LoRA is folded in by widening (a [V, D + H*R] copy of the weight): for the logits, which are
+    [N, V] anyway.  The loss takes ``loss_operands`` instead.
+    """
+    hidden, weight, bias, low_rank = loss_operands(parts, hidden, num_heads, scale)
+    if low_rank is not None:
+        u, b = low_rank
+        v, d = weight.shape
+        dh = d // num_heads
+        hidden = torch.cat([hidden.unflatten(-1, (num_heads, dh)), u], dim=-1).flatten(-2)
+        wide_b = b.unsqueeze(1).expand(v, num_heads, b.shape[1])
+        weight = torch.cat([weight.unflatten(-1, (num_heads, dh)), wide_b], dim=-1).flatten(-2)
+    return hidden, weight, bias
+
+
+def loss_operands(parts: HeadParts, hidden: torch.Tensor, num_heads: int, scale: float | None = None):
+    """(hidden', weight, bias', low_rank) for the fused losses: scale * head(hidden) per head h is
+    hidden'_h weight_h^T + U_h B^T + bias', with ``low_rank`` = (U [..., H, R], B [V, R]) holding
+    every active LoRA adapter (None without one).  The base weight is passed as is, so a frozen
+    one gets no dW and is never copied."""
     check_parts(parts, hidden.shape[-1])
     weight, bias = parts.weight, parts.bias
+    low_rank = None
     if parts.adapters:
-        hidden, weight, bias = _fold_lora(parts, hidden, num_heads)
+        low_rank, extra_bias = _lora_terms(parts, hidden, num_heads)
+        if extra_bias is not None:
+            bias = extra_bias if bias is None else bias + extra_bias
     if bias is not None:
         bias = bias.to(weight.dtype)
     if scale is not None and scale != 1.0:
         # s * (W x + b) = W (s x) + s b: scaling the [N, D] side avoids a [V, D] copy.
         hidden = hidden * scale
         bias = bias * scale if bias is not None else None
-    return hidden, weight, bias
+        if low_rank is not None:
+            low_rank = (low_rank[0] * scale, low_rank[1])
+    return hidden, weight, bias, low_rank
 
 
 def check_parts(parts: HeadParts, hidden_size: int) -> None:
@@ -126,12 +151,13 @@ def check_parts(parts: HeadParts, hidden_size: int) -> None:
         check_gathered(f"LoRA B[{i}] weight", ad.lora_b.weight, (vocab, rank) if rank and vocab else None)
 
 
-def _fold_lora(parts: HeadParts, hidden: torch.Tensor, num_heads: int):
+def _lora_terms(parts: HeadParts, hidden: torch.Tensor, num_heads: int):
+    """((U [..., H, R], B [V, R]), extra bias) of the adapters, R the sum of their ranks:
+    U_h = A[:, slice h] drop(x)_h and B = scaling * lora_B, so that U_h B^T is slice h's share of
+    scaling * B A drop(x).  U in hidden's dtype, B in the weight's."""
     d = parts.weight.shape[1]
-    v, dh = parts.weight.shape[0], d // num_heads
-    x_pieces = [hidden.unflatten(-1, (num_heads, dh))]
-    w_pieces = [parts.weight.unflatten(-1, (num_heads, dh))]
-    bias = parts.bias
+    dh = d // num_heads
+    us, bs, bias = [], [], None
     for ad in parts.adapters:
         a = ad.lora_a.weight  # [r, D]
         x = ad.dropout(hidden.to(a.dtype))
@@ -139,12 +165,9 @@ def _fold_lora(parts: HeadParts, hidden: torch.Tensor, num_heads: int):
             u = F.linear(x, a).unsqueeze(-2)
         else:  # u[..., h, :] = A[:, slice h] x[slice h]
             u = torch.einsum("...hd,rhd->...hr", x.unflatten(-1, (num_heads, dh)), a.unflatten(-1, (num_heads, dh)))
-        x_pieces.append(u.to(hidden.dtype))
-        sb = (ad.lora_b.weight * ad.scaling).to(parts.weight.dtype)  # [V, r]
-        w_pieces.append(sb.unsqueeze(1).expand(v, num_heads, sb.shape[1]))
+        us.append(u.to(hidden.dtype))
+        bs.append((ad.lora_b.weight * ad.scaling).to(parts.weight.dtype))  # [V, r]
         if ad.lora_b.bias is not None:
             extra = (ad.lora_b.bias * ad.scaling).to(parts.weight.dtype)
             bias = extra if bias is None else bias + extra
-    hidden2 = torch.cat(x_pieces, dim=-1).flatten(-2)
-    weight2 = torch.cat(w_pieces, dim=-1).flatten(-2)
-    return hidden2, weight2, bias
+    return (torch.cat(us, dim=-1), torch.cat(bs, dim=-1)), bias

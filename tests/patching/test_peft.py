@@ -71,6 +71,35 @@ def test_lora_on_lm_head_exact_gradients(order, dropout):
         torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("loss", ["ce", "mhce"])
+def test_lora_on_lm_head_leaves_frozen_base_weight_alone(loss, monkeypatch):
+    """The adapter reaches the ops as their low-rank term: the base weight itself (no widened
+    [V, D + H*r] copy) and no dW requested for it, only dU and dB of the adapter."""
+    from hf_mhce.losses import dispatch
+
+    seen = []
+    real = dispatch.resolve
+
+    def spy(*a, **k):
+        ops = real(*a, **k)
+
+        def backward(x, w, *args, low_rank=None):
+            seen.append((w, args[8], low_rank))
+            return ops.backward(x, w, *args, low_rank=low_rank)
+        return type(ops)(**{**vars(ops), "backward": backward})
+
+    monkeypatch.setattr(dispatch, "resolve", spy)
+    heads = 2 if loss == "mhce" else 1
+    model = apply_patch(_lora(make_model("llama"), ["q_proj", "lm_head"]), loss=loss, num_heads=heads)
+    base = model.get_base_model().lm_head.base_layer.weight
+    ids, labels = batch()
+    _step(model, ids, labels)
+    (w, needs, low_rank), = seen
+    assert w.data_ptr() == base.data_ptr() and w.shape == base.shape
+    assert needs == (True, False, False, True, True)  # dX, no dW, no bias; dU, dB
+    assert low_rank[0].shape[-2:] == (heads, 4)
+
+
 def test_lora_on_lm_head_with_mhce_and_disabled_adapter():
     model = apply_patch(_lora(make_model("llama"), ["lm_head"]), loss="mhce", num_heads=4)
     ids, labels = batch()
