@@ -93,10 +93,7 @@ def multi_head_cross_entropy(
     checks.check_low_rank(low_rank, hidden, weight, num_heads)
     checks.check_options(reduction, label_smoothing, z_loss, softcap, num_items_in_batch)
     inputs = checks.prepare(hidden, weight, bias, labels, ignore_index)
-    low_u, low_b = (None, None)
-    if low_rank is not None:
-        low_u = low_rank[0].reshape(-1, num_heads, low_rank[1].shape[1]).contiguous()
-        low_b = low_rank[1].contiguous()
+    low_u, low_b = _flat_low_rank(low_rank, num_heads)
     ops = dispatch.resolve(backend, hidden.device, hidden.dtype)
     losses = MultiHeadTokenLoss.apply(
         inputs.hidden, inputs.weight, inputs.bias, low_u, low_b, inputs.labels, inputs.valid, num_heads,
@@ -140,21 +137,33 @@ def multi_head_logprobs(
     *,
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
+    low_rank: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """log pbar [..., V]: the mixture's normalised log-probabilities, float32 (float64 inputs: float64).
 
     With ``num_heads=1`` this is ``log_softmax(softcap(hidden @ weight.T + bias))``.  Computed in
     vocabulary/token blocks (never an [N, H, V] tensor); differentiable.  The output is [N, V] by
     nature, so every device computes it with the blocked torch sweeps (cuBLAS matmuls on GPU).
+    ``low_rank`` as in :func:`multi_head_cross_entropy`.
     """
-    hidden, weight, bias, _ = _autocast(hidden, weight, bias)
+    hidden, weight, bias, low_rank = _autocast(hidden, weight, bias, low_rank)
     checks.check_matrices(hidden, weight, bias)
     checks.check_heads(num_heads, weight.shape[1])
+    checks.check_low_rank(low_rank, hidden, weight, num_heads)
     checks.check_options("mean", 0.0, 0.0, softcap, None)
     lead = hidden.shape[:-1]
     flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+    low_u, low_b = _flat_low_rank(low_rank, num_heads)
     out = MixtureLogprobs.apply(
-        flat, weight.contiguous(), bias.contiguous() if bias is not None else None, num_heads,
+        flat, weight.contiguous(), bias.contiguous() if bias is not None else None, low_u, low_b, num_heads,
         float(softcap) if softcap is not None else None,
     )
     return out.view(*lead, weight.shape[0])
+
+
+def _flat_low_rank(low_rank, num_heads):
+    """(U [N, H, R], B [V, R]) contiguous for the ops, or (None, None)."""
+    if low_rank is None:
+        return None, None
+    u, b = low_rank
+    return u.reshape(-1, num_heads, b.shape[1]).contiguous(), b.contiguous()

@@ -54,23 +54,25 @@ class MixtureLogprobs(torch.autograd.Function):
     """log pbar [N, V] (chunked torch sweeps on every device: the output is [N, V] by nature)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, num_heads, softcap):
+    def forward(ctx, hidden, weight, bias, low_u, low_b, num_heads, softcap):
+        low_rank = (low_u, low_b) if low_u is not None else None
         with torch.autocast(hidden.device.type, enabled=False):
-            out, lse = torch_sweep.mixture_logprobs(hidden, weight, bias, num_heads, softcap)
-        ctx.save_for_backward(hidden, weight, bias, lse, out)
+            out, lse = torch_sweep.mixture_logprobs(hidden, weight, bias, num_heads, softcap, low_rank)
+        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, lse, out)
         ctx.options = (num_heads, softcap)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        hidden, weight, bias, lse, out = ctx.saved_tensors
+        hidden, weight, bias, low_u, low_b, lse, out = ctx.saved_tensors
         num_heads, softcap = ctx.options
-        needs = tuple(ctx.needs_input_grad[:3])
+        low_rank = (low_u, low_b) if low_u is not None else None
+        needs = tuple(ctx.needs_input_grad[:5 if low_rank is not None else 3])
         if not any(needs):
-            return None, None, None, None, None
+            return (None,) * 7
         with torch.autocast(hidden.device.type, enabled=False):
-            dx, dw, db = torch_sweep.mixture_logprobs_backward(
-                hidden, weight, bias, num_heads, softcap, lse, out, grad, needs
+            grads = torch_sweep.mixture_logprobs_backward(
+                hidden, weight, bias, num_heads, softcap, lse, out, grad, needs, low_rank
             )
-        return dx, dw, db, None, None
+        return tuple(grads) + (None,) * (7 - len(grads))

@@ -193,6 +193,55 @@ def _mixture_rank_sweep(pb: _Problem, lse, target, labels):
     return ranks
 
 
+class _Grads:
+    """Accumulators of (dX, dW, dB[, dU, dB_low]) over blocks of dz [H, rows, cols], in compute dtype.
+
+    dW is accumulated per vocabulary chunk and written once (no low-precision sum across chunks);
+    ``needs`` has three flags, five with a low-rank term (its U and B last)."""
+
+    def __init__(self, pb: _Problem, needs):
+        self.pb = pb
+        dev, cdt = pb.x.device, pb.cdt
+        self.need_dx, self.need_dw, self.need_db = needs[:3]
+        self.need_du, self.need_dlb = needs[3:] if pb.u is not None else (False, False)
+        self.dx = torch.zeros(pb.n, pb.h, pb.dh, dtype=cdt, device=dev) if self.need_dx else None
+        self.dw = torch.empty_like(pb.w) if self.need_dw else None
+        self.db = torch.zeros(pb.v, dtype=cdt, device=dev) if self.need_db else None
+        self.du = torch.zeros(pb.u.shape, dtype=cdt, device=dev) if self.need_du else None  # [N, H, R]
+        self.dlb = torch.zeros(pb.b.shape, dtype=cdt, device=dev) if self.need_dlb else None  # [V, R]
+
+    def start_chunk(self, v0, v1):
+        self.v0, self.v1 = v0, v1
+        if self.need_dw:
+            self.dwc = torch.zeros(self.pb.h, v1 - v0, self.pb.dh, dtype=self.pb.cdt, device=self.pb.x.device)
+
+    def add(self, dz, xc, wc, lr, n0, n1):
+        v0, v1 = self.v0, self.v1
+        if self.need_dx:
+            self.dx[n0:n1] += torch.matmul(dz, wc.transpose(1, 2)).transpose(0, 1)
+        if self.need_dw:
+            self.dwc += torch.matmul(dz.transpose(1, 2), xc)
+        if self.need_db:
+            self.db[v0:v1] += dz.sum(dim=(0, 1))
+        if self.need_du:  # [H, rows, cols] @ [cols, R]
+            self.du[n0:n1] += torch.matmul(dz, lr[1].T).transpose(0, 1)
+        if self.need_dlb:  # B is shared by the heads: sum of [cols, rows] @ [rows, R] over heads
+            self.dlb[v0:v1] += torch.matmul(dz.transpose(1, 2), lr[0]).sum(0)
+
+    def end_chunk(self):
+        if self.need_dw:
+            self.dw[self.v0:self.v1] = self.dwc.permute(1, 0, 2).reshape(self.v1 - self.v0, self.pb.d)
+
+    def result(self):
+        pb = self.pb
+        dx = self.dx.view(pb.n, pb.d).to(pb.x.dtype) if self.need_dx else None
+        db = self.db.to(pb.bias.dtype) if self.need_db else None
+        if pb.u is None:
+            return dx, self.dw, db
+        return (dx, self.dw, db, self.du.to(pb.u.dtype) if self.need_du else None,
+                self.dlb.to(pb.b.dtype) if self.need_dlb else None)
+
+
 def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs, low_rank=None):
     """Gradients (dX, dW, dB[, dU, dB_low]) of sum_n loss_n given ``mixture.grad_coefficients``.
 
@@ -202,19 +251,12 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     valid = labels >= 0
-    dev = x.device
-    need_dx, need_dw, need_db = needs[:3]
-    need_du, need_dlb = needs[3:] if low_rank is not None else (False, False)
-    dx = torch.zeros(pb.n, pb.h, pb.dh, dtype=pb.cdt, device=dev) if need_dx else None
-    dw = torch.empty_like(w) if need_dw else None
-    db = torch.zeros(pb.v, dtype=pb.cdt, device=dev) if need_db else None
-    du = torch.zeros(pb.u.shape, dtype=pb.cdt, device=dev) if need_du else None  # [N, H, R]
-    dlb = torch.zeros(pb.b.shape, dtype=pb.cdt, device=dev) if need_dlb else None  # [V, R]
+    grads = _Grads(pb, needs)
     lse_t, alpha_t, beta_t = lse.T, alpha.T, beta.T  # [H, N]
     any_invalid = not bool(valid.all())
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)  # [H, Dh, cols]
-        dwc = torch.zeros(pb.h, v1 - v0, pb.dh, dtype=pb.cdt, device=dev) if need_dw else None
+        grads.start_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
             xc = pb.hidden_chunk(n0, n1)
             lr = pb.low_rank_chunk(n0, n1, v0, v1)
@@ -229,28 +271,14 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
                 dz *= 1.0 - torch.square(y / softcap)
             if any_invalid:  # invalid tokens may carry NaN logits; their gradient is exactly 0
                 dz = dz.masked_fill(~valid[None, n0:n1, None], 0.0)
-            if need_dx:
-                dx[n0:n1] += torch.matmul(dz, wc.transpose(1, 2)).transpose(0, 1)
-            if need_dw:
-                dwc += torch.matmul(dz.transpose(1, 2), xc)
-            if need_db:
-                db[v0:v1] += dz.sum(dim=(0, 1))
-            if need_du:  # [H, rows, cols] @ [cols, R]
-                du[n0:n1] += torch.matmul(dz, lr[1].T).transpose(0, 1)
-            if need_dlb:  # B is shared by the heads: sum of [cols, rows] @ [rows, R] over heads
-                dlb[v0:v1] += torch.matmul(dz.transpose(1, 2), lr[0]).sum(0)
-        if need_dw:
-            dw[v0:v1] = dwc.permute(1, 0, 2).reshape(v1 - v0, pb.d)
-    dx = dx.view(pb.n, pb.d).to(x.dtype) if need_dx else None
-    db = db.to(bias.dtype) if need_db else None
-    if low_rank is None:
-        return dx, dw, db
-    return dx, dw, db, (du.to(pb.u.dtype) if need_du else None), (dlb.to(pb.b.dtype) if need_dlb else None)
+            grads.add(dz, xc, wc, lr, n0, n1)
+        grads.end_chunk()
+    return grads.result()
 
 
-def mixture_logprobs(x, w, bias, num_heads, softcap):
+def mixture_logprobs(x, w, bias, num_heads, softcap, low_rank=None):
     """log pbar [N, V] in compute dtype: two sweeps (per-head lse, then the mixture per block)."""
-    pb = _Problem(x, w, bias, num_heads, softcap)
+    pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     lse, _, _ = _lse_sweep(pb, need_logit_sum=False)
     out = torch.empty(pb.n, pb.v, dtype=pb.cdt, device=x.device)
     lse_t = lse.T
@@ -258,25 +286,25 @@ def mixture_logprobs(x, w, bias, num_heads, softcap):
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
             logp = y - lse_t[:, n0:n1, None]
             out[n0:n1, v0:v1] = logp[0] if num_heads == 1 else torch.logsumexp(logp, dim=0) - log_h
     return out, lse
 
 
-def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad, needs):
-    """Gradients of sum(grad * log pbar).
+def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad, needs, low_rank=None):
+    """Gradients of sum(grad * log pbar); ``needs`` and the returned tuple as in ``backward``.
 
     d log pbar_k / d y_hj = r_hk ([k = j] - p_hj) with r_hk = p_hk / (H pbar_k), hence
     dy_hj = grad_j r_hj - p_hj S_h where S_h = sum_k grad_k r_hk (one extra sweep, H > 1 only).
     """
-    pb = _Problem(x, w, bias, num_heads, softcap)
+    pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     grad = grad.to(pb.cdt)
     lse_t = lse.T
     log_h = math.log(num_heads)
 
     def block_terms(wc, v0, v1, n0, n1):
-        y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1)
+        y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
         logp = y - lse_t[:, n0:n1, None]
         r = torch.exp(logp - log_h - logpbar[None, n0:n1, v0:v1])
         return y, logp, r * grad[None, n0:n1, v0:v1]
@@ -290,26 +318,15 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad
             for n0, n1 in _blocks(pb.n, pb.rows):
                 s[:, n0:n1] += block_terms(wc, v0, v1, n0, n1)[2].sum(-1)
 
-    need_dx, need_dw, need_db = needs
-    dx = torch.zeros(pb.n, pb.h, pb.dh, dtype=pb.cdt, device=x.device) if need_dx else None
-    dw = torch.empty_like(w) if need_dw else None
-    db = torch.zeros(pb.v, dtype=pb.cdt, device=x.device) if need_db else None
+    grads = _Grads(pb, needs)
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
-        dwc = torch.zeros(pb.h, v1 - v0, pb.dh, dtype=pb.cdt, device=x.device) if need_dw else None
+        grads.start_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
             y, logp, gr = block_terms(wc, v0, v1, n0, n1)
             dz = gr - torch.exp(logp) * s[:, n0:n1, None]
             if softcap is not None:
                 dz *= 1.0 - torch.square(y / softcap)
-            if need_dx:
-                dx[n0:n1] += torch.matmul(dz, wc.transpose(1, 2)).transpose(0, 1)
-            if need_dw:
-                dwc += torch.matmul(dz.transpose(1, 2), pb.hidden_chunk(n0, n1))
-            if need_db:
-                db[v0:v1] += dz.sum(dim=(0, 1))
-        if need_dw:
-            dw[v0:v1] = dwc.permute(1, 0, 2).reshape(v1 - v0, pb.d)
-    dx = dx.view(pb.n, pb.d).to(x.dtype) if need_dx else None
-    db = db.to(bias.dtype) if need_db else None
-    return dx, dw, db
+            grads.add(dz, pb.hidden_chunk(n0, n1), wc, pb.low_rank_chunk(n0, n1, v0, v1), n0, n1)
+        grads.end_chunk()
+    return grads.result()

@@ -24,7 +24,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
 from .config import LossConfig
 from .families import LogitFacts, logit_transform
-from .head import effective_linear, loss_operands, resolve_head
+from .head import fused_operands, resolve_head
 from .sharding import call_through
 
 STATE_ATTR = "_hf_mhce_patch"
@@ -147,7 +147,7 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
                    label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, softcap=softcap, backend=cfg.backend)
 
     def fused(hidden, shift_labels):  # reads the head inside the head's call: see sharding.py
-        x, w, b, low_rank = loss_operands(resolve_head(head), hidden, cfg.num_heads, scale)
+        x, w, b, low_rank = fused_operands(resolve_head(head), hidden, cfg.num_heads, scale)
         if cfg.loss == "mhce":
             return multi_head_cross_entropy(x, w, shift_labels, cfg.num_heads, bias=b, low_rank=low_rank, **options)
         return linear_cross_entropy(x, w, shift_labels, bias=b, low_rank=low_rank, **options)
@@ -164,8 +164,8 @@ def _logits(model, state, hidden):
         scale = (multiply or 1.0) / (divide or 1.0)
 
         def mixture(hidden):
-            x, w, b = effective_linear(resolve_head(head), hidden, cfg.num_heads, scale)
-            return multi_head_logprobs(x, w, cfg.num_heads, bias=b, softcap=softcap)
+            x, w, b, low_rank = fused_operands(resolve_head(head), hidden, cfg.num_heads, scale)
+            return multi_head_logprobs(x, w, cfg.num_heads, bias=b, softcap=softcap, low_rank=low_rank)
 
         return call_through(head, mixture, hidden)
     logits = head(hidden)  # the module itself: every PEFT wrapper behaves as in the original

@@ -8,10 +8,10 @@ weight/bias plus the active LoRA adapters, and LoRA enters *exactly*:
 
 For MHCE the hidden state is cut into H slices and head h uses only W_h x_h, so u is formed per
 head, u_h = A_h drop(x)_h, and head h's logits are W_h x_h + s B u_h: the logits of its slice of the
-effective weight W + sBA.  The loss passes (u, sB) to the fused ops as their ``low_rank`` term (no
-copy of W, no dW for a frozen W); the logits path widens instead, [W_h, sB] . [x_h, u_h].  The
-gradient reaches W, A and B through autograd, H = 1 is plain LoRA, and LoRA dropout is applied
-exactly once to the head input, as PEFT does.
+effective weight W + sBA.  (u, sB) reach the fused ops as their ``low_rank`` term, for the loss and
+for the mixture logits alike: no copy of W, no dW for a frozen W.  The gradient reaches W, A and B
+through autograd, H = 1 is plain LoRA, and LoRA dropout is applied exactly once to the head input,
+as PEFT does.
 """
 
 from __future__ import annotations
@@ -97,28 +97,8 @@ def _resolve_lora(layer) -> HeadParts:
     return HeadParts(parts.weight, parts.bias, adapters)
 
 
-def effective_linear(
-    parts: HeadParts, hidden: torch.Tensor, num_heads: int, scale: float | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(hidden', weight', bias') with logits = hidden' weight'^T + bias' = scale * head(hidden), and
-    the per-head slicing of hidden' / weight' matching the slicing of hidden / weight.
-
-    LoRA is folded in by widening (a [V, D + H*R] copy of the weight): for the logits, which are
-    [N, V] anyway.  The loss takes ``loss_operands`` instead.
-    """
-    hidden, weight, bias, low_rank = loss_operands(parts, hidden, num_heads, scale)
-    if low_rank is not None:
-        u, b = low_rank
-        v, d = weight.shape
-        dh = d // num_heads
-        hidden = torch.cat([hidden.unflatten(-1, (num_heads, dh)), u], dim=-1).flatten(-2)
-        wide_b = b.unsqueeze(1).expand(v, num_heads, b.shape[1])
-        weight = torch.cat([weight.unflatten(-1, (num_heads, dh)), wide_b], dim=-1).flatten(-2)
-    return hidden, weight, bias
-
-
-def loss_operands(parts: HeadParts, hidden: torch.Tensor, num_heads: int, scale: float | None = None):
-    """(hidden', weight, bias', low_rank) for the fused losses: scale * head(hidden) per head h is
+def fused_operands(parts: HeadParts, hidden: torch.Tensor, num_heads: int, scale: float | None = None):
+    """(hidden', weight, bias', low_rank) for the fused ops: scale * head(hidden) per head h is
     hidden'_h weight_h^T + U_h B^T + bias', with ``low_rank`` = (U [..., H, R], B [V, R]) holding
     every active LoRA adapter (None without one).  The base weight is passed as is, so a frozen
     one gets no dW and is never copied."""

@@ -4,7 +4,7 @@ The ground truth is the float64 reference on the widened operands it stands for:
 widened input is [x_h, U_h] and of the widened weight [W_h, B], the fold a LoRA adapter on the head
 used to need.  Both backends, odd sizes (N = 1, V and D not multiples of any block, R = 1 and R
 above one K block), every gradient (dX, dW, dB, dU, dB_low) and the needs-grad combinations of a
-frozen base weight.
+frozen base weight; and ``multi_head_logprobs`` with the pair (the mixture logits of a LoRA head).
 """
 
 import pytest
@@ -174,3 +174,33 @@ def test_bf16_gradients_no_worse_than_eager(backend, workspace_mb, monkeypatch):
     for name, g, e, r in zip(["dX", "dW", "dU", "dB_low", "d_bias"], got, base, want):
         assert g.dtype == torch.bfloat16, name
         assert_no_worse_than_eager(g, e, r, torch.bfloat16, name=name)
+
+
+@pytest.mark.parametrize("heads,rank,lead", [(1, 1, (1,)), (2, 3, (2, 7)), (4, 17, (9,))])
+def test_logprobs_match_widened_reference(heads, rank, lead):
+    """multi_head_logprobs with the pair (generation and eval logits of a LoRA head): values and
+    every gradient, against float64 on the widened operands."""
+    *tensors, _ = _inputs(lead, 20, 57, heads, rank)
+    probe = torch.randn(*lead, 57)  # a random cotangent: every entry of log pbar matters
+
+    def ours(x, w, u, b, bias):
+        out = hf_mhce.multi_head_logprobs(x, w, heads, bias=bias, softcap=5.0, low_rank=(u, b))
+        return (out * probe.to(out.dtype)).sum()
+
+    def ref(x, w, u, b, bias):
+        xs, ws = _widen(x, w, u, b, heads)
+        return (R.reference_logprobs(xs, ws, heads, bias=bias, softcap=5.0) * probe.double()).sum()
+
+    x, w, u, b, bias = tensors
+    out = hf_mhce.multi_head_logprobs(x, w, heads, bias=bias, softcap=5.0, low_rank=(u, b))
+    xs, ws = _widen(*(t.double() for t in (x, w, u, b)), heads)
+    assert_close_scaled(out, R.reference_logprobs(xs, ws, heads, bias=bias.double(), softcap=5.0), rtol=1e-5,
+                        name="log pbar")
+    mask = [True] * 5
+    _, got = _grads(ours, tensors, mask)
+    _, want = _grads(ref, [t.double() for t in tensors], mask)
+    for name, g, r in zip(["dX", "dW", "dU", "dB_low", "d_bias"], got, want):
+        assert_close_scaled(g, r, rtol=1e-5, atol=1e-6, name=name)
+    _, frozen = _grads(ours, tensors, [False, False, True, True, False])  # LoRA only: no dX, dW
+    for name, g, r in zip(["dU", "dB_low"], frozen[2:4], want[2:4]):
+        assert_close_scaled(g, r, rtol=1e-5, atol=1e-6, name=name)
