@@ -60,6 +60,7 @@ from transformers import HfArgumentParser
 from reporting import save_figure, write_report
 
 from hf_mhce.train import DataArguments, LoraArguments, ModelArguments, TrainArguments
+from hf_mhce.train.job import end_distributed
 
 # Pure-Python standard-library modules for the default fine-tuning data (none of them is in the
 # embedded "code" evaluation set of hf_mhce.train.corpus).
@@ -302,3 +303,4 @@ def plot(rows: list[dict], history: list[dict], path: str) -> str:
 
 if __name__ == "__main__":
     main()
+    end_distributed()  # under accelerate launch: the process group ends here, not in exit-time destructors

@@ -124,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":  # HfArgumentParser owns every option of the main job
         from .train import main as train_main
+        from .train.job import end_distributed
 
         train_main(argv[1:])
+        end_distributed()
         return 0
     args = build_parser().parse_args(argv)
     return args.func(args)

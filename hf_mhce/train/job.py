@@ -120,6 +120,18 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     return summary
 
 
+def end_distributed() -> None:
+    """At the end of a launched script (``accelerate launch``, ``torchrun``): meet the other
+    processes, then shut the process group down here rather than in the interpreter's exit-time
+    destructors, where gloo's threads now and then abort the process that finishes first
+    ("terminate called without an active exception", SIGABRT).  A no-op in a single process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 @torch.no_grad()
 def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """Greedy continuation (for MHCE models the mixture's log-probs drive generation)."""
