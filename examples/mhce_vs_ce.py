@@ -64,7 +64,7 @@ import os
 import statistics
 import time
 
-from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, eval_metrics, options_argv, prepare_tokenizer,
+from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, eval_metrics, options_argv, prepare_runs,
                            run_jobs, sweep_parser)
 from reporting import load_results, save_figure, write_report
 
@@ -241,10 +241,7 @@ def main(argv=None) -> dict:
         previous = load_results(out)
         return report(out, [{**r, "curve": [tuple(c) for c in r["curve"]]} for r in previous["runs"]],
                       previous["config"], started - previous["wall_seconds"])
-    options = dict(REDUCED if args.quick else DEFAULT)
-    if args.steps is not None:
-        options["max_steps"] = args.steps
-    tokenizer = prepare_tokenizer(out, options.pop("vocab_size"))
+    options, tokenizer = prepare_runs(args, DEFAULT, REDUCED)
     jobs = []
     for seed in args.seeds:
         for h in args.heads:

@@ -67,13 +67,18 @@ def options_argv(options: dict) -> list[str]:
     return [x for k, v in options.items() for x in (f"--{k}", str(v))]
 
 
-def prepare_tokenizer(out: str, vocab_size: int) -> str:
-    """Train the job's BPE once (what every run would train itself) and save it for all runs."""
+def prepare_runs(args, default: dict, reduced: dict) -> tuple[dict, str]:
+    """(options shared by every run, tokenizer path): ``reduced`` under --quick, else ``default``, with
+    --steps as max_steps; the job's BPE is trained once on vocab_size (what every run would train
+    itself) and saved under args.out for all runs."""
     from hf_mhce.train import corpus
 
-    path = os.path.join(out, "tokenizer")
-    corpus.train_tokenizer(corpus.embedded_texts()[0], vocab_size).save_pretrained(path)
-    return path
+    options = dict(reduced if args.quick else default)
+    if args.steps is not None:
+        options["max_steps"] = args.steps
+    path = os.path.join(args.out, "tokenizer")
+    corpus.train_tokenizer(corpus.embedded_texts()[0], options.pop("vocab_size")).save_pretrained(path)
+    return options, path
 
 
 def run_jobs(jobs: list[tuple[str, list[str]]], out: str, workers: int, threads: int) -> dict[str, dict]:

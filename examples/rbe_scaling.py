@@ -64,7 +64,7 @@ import math
 import os
 import time
 
-from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, eval_metrics, options_argv, prepare_tokenizer,
+from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, eval_metrics, options_argv, prepare_runs,
                            run_jobs, sweep_parser)
 from reporting import load_results, save_figure, write_report
 
@@ -268,10 +268,7 @@ def main(argv=None) -> dict:
     if args.replot:
         previous = load_results(out)
         return report(out, previous["rows"], previous["config"], started - previous["wall_seconds"])
-    options = dict(REDUCED if args.quick else DEFAULT)
-    if args.steps is not None:
-        options["max_steps"] = args.steps
-    tokenizer = prepare_tokenizer(out, options.pop("vocab_size"))
+    options, tokenizer = prepare_runs(args, DEFAULT, REDUCED)
     loss = ["--loss", "ce"] if args.loss == "ce" else ["--loss", "mhce", "--num_heads", str(args.num_heads)]
     jobs, dirs = [], {}
     for size in args.sizes:

@@ -304,10 +304,12 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad
     log_h = math.log(num_heads)
 
     def block_terms(wc, v0, v1, n0, n1):
-        y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
+        """(hidden chunk, low-rank chunk, y, log p, grad * r) of one block."""
+        xc, lr = pb.hidden_chunk(n0, n1), pb.low_rank_chunk(n0, n1, v0, v1)
+        y = pb.logits(xc, wc, v0, v1, lr)
         logp = y - lse_t[:, n0:n1, None]
         r = torch.exp(logp - log_h - logpbar[None, n0:n1, v0:v1])
-        return y, logp, r * grad[None, n0:n1, v0:v1]
+        return xc, lr, y, logp, r * grad[None, n0:n1, v0:v1]
 
     s = torch.zeros(pb.h, pb.n, dtype=pb.cdt, device=x.device)
     if num_heads == 1:
@@ -316,17 +318,17 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad
         for v0, v1 in _blocks(pb.v, pb.cols):
             wc = pb.weight_chunk(v0, v1)
             for n0, n1 in _blocks(pb.n, pb.rows):
-                s[:, n0:n1] += block_terms(wc, v0, v1, n0, n1)[2].sum(-1)
+                s[:, n0:n1] += block_terms(wc, v0, v1, n0, n1)[-1].sum(-1)
 
     grads = _Grads(pb, needs)
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         grads.start_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            y, logp, gr = block_terms(wc, v0, v1, n0, n1)
+            xc, lr, y, logp, gr = block_terms(wc, v0, v1, n0, n1)
             dz = gr - torch.exp(logp) * s[:, n0:n1, None]
             if softcap is not None:
                 dz *= 1.0 - torch.square(y / softcap)
-            grads.add(dz, pb.hidden_chunk(n0, n1), wc, pb.low_rank_chunk(n0, n1, v0, v1), n0, n1)
+            grads.add(dz, xc, wc, lr, n0, n1)
         grads.end_chunk()
     return grads.result()

@@ -3,8 +3,10 @@ accumulate dX = dY W and dW = dY^T X with float32 atomics.
 
 Grid: (token blocks x vocabulary blocks, heads) over a range of tokens and a range of vocabulary
 rows, in grouped order: GROUP_N token blocks sweep the vocabulary blocks together, so that the
-programs running at once add into a few dX and dW rows (L2) rather than into all of dX.  dY for a tile is alpha * softmax - beta * onehot(target) - gamma (see
-``mixture.grad_coefficients``), times the softcap derivative.
+programs running at once add into a few dX and dW rows (L2) rather than into all of dX.  dY for a
+tile is alpha * softmax - beta * onehot(target) - gamma (see ``mixture.grad_coefficients``), times
+the softcap derivative.  With a low-rank term (LoRA on the head) dU = dY B and dB = dY^T U are
+accumulated the same way, each only where needed.
 
 Both gradients accumulate in float32, never in 16-bit across tiles.  For float32 inputs dX and dW
 are themselves the accumulators (one launch).  For 16-bit inputs the float32 scratch is bounded by

@@ -128,7 +128,8 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
         n, v, per_split, dh, rank, x.stride(0), w.stride(0), stride_u, stride_lb,
         float(softcap) if softcap is not None else 1.0,
         NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_LOW_RANK=low_rank is not None, NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **cfg, **dot_settings(x.dtype),
+        HAS_LOW_RANK=low_rank is not None, NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks,
+        **cfg, **dot_settings(x.dtype),
     )
     lse = lse[0] if splits == 1 else torch.logsumexp(lse, dim=0)
     logit_sum = (logit_sum[0] if splits == 1 else logit_sum.sum(0)) if need_logit_sum else None
