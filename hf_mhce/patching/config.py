@@ -23,8 +23,8 @@ CONFIG_FORMAT = 1
 
 # Fields that change the model's distribution: recorded values need override_saved to change.
 IDENTITY_FIELDS = ("loss", "num_heads")
-# Fields that depend on the machine, not the model: never written to config.json.
-RUNTIME_FIELDS = ("backend",)
+# Fields that depend on the machine or the caller, not the model: never written to config.json.
+RUNTIME_FIELDS = ("backend", "return_logits")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,9 @@ class LossConfig:
     num_heads: number of MHCE heads; must divide the hidden size; 1 for "ce".
     ignore_index: label value that is not a prediction target (HF default -100).
     label_smoothing, z_loss: training regularisers passed to the fused loss.
-    return_logits: also compute logits when labels are given (default: logits are None then).
+    return_logits: whether a forward given labels also computes logits. None (default): only when a
+        transformers Trainer's prediction step will pass them on (``compute_metrics`` is set, or
+        ``predict()``); otherwise they are None. True / False: always / never.
     backend: kernel choice of the op layer ("auto", "triton", "torch"; None = environment default).
     """
 
@@ -46,7 +48,7 @@ class LossConfig:
     ignore_index: int = -100
     label_smoothing: float = 0.0
     z_loss: float = 0.0
-    return_logits: bool = False
+    return_logits: bool | None = None
     backend: str | None = None
 
     def __post_init__(self):
@@ -63,8 +65,8 @@ class LossConfig:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
         if not float(self.z_loss) >= 0.0:
             raise ValueError(f"z_loss must be >= 0, got {self.z_loss}")
-        if not isinstance(self.return_logits, bool):
-            raise TypeError(f"return_logits must be a bool, got {self.return_logits!r}")
+        if self.return_logits is not None and not isinstance(self.return_logits, bool):
+            raise TypeError(f"return_logits must be a bool or None, got {self.return_logits!r}")
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError(f"backend must be a string or None, got {self.backend!r}")
 
@@ -122,8 +124,8 @@ def resolve_config(
     recorded = LossConfig.from_saved(saved) if saved is not None else None
     base = current or recorded or LossConfig()
     if current is not None and recorded is not None:
-        # backend is never recorded; everything else follows the (possibly edited) model.config.
-        base = dataclasses.replace(recorded, backend=current.backend)
+        # runtime fields are never recorded; everything else follows the (possibly edited) model.config.
+        base = dataclasses.replace(recorded, **{f: getattr(current, f) for f in RUNTIME_FIELDS})
 
     new_loss = base.loss if loss is None else loss
     if num_heads is None:

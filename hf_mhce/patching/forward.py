@@ -2,6 +2,7 @@
 
     hidden = model.get_decoder()(**inputs).last_hidden_state
     labels given  -> loss = fused op on the HF-shifted labels; logits None unless asked for
+                     (``return_logits``, or a Trainer's prediction step that needs predictions)
     no labels     -> logits like HF (logits_to_keep honoured); for "mhce" the mixture log-probs
 
 The loss always covers every position (logits_to_keep only trims returned logits).  With
@@ -14,6 +15,7 @@ Trainer see the same parameters), its output type, and the family's logit facts.
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +90,7 @@ def make_forward(signature: inspect.Signature, model_class: type):
     forward.__qualname__ = f"{model_class.__name__}.forward"
     forward.__doc__ = (
         f"{model_class.__name__}.forward patched by hf_mhce: fused loss when labels are given (logits None "
-        "unless return_logits=True), logits (for 'mhce': mixture log-probs) otherwise."
+        "unless return_logits=True or a Trainer needs predictions), logits (for 'mhce': mixture log-probs) otherwise."
     )
     forward.hf_mhce_patched = True
     return forward
@@ -120,6 +122,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     loss = logits = None
     if labels is not None or loss_kwargs.get("shift_labels") is not None:
         loss = _loss(model, state, hidden, labels, **loss_kwargs)
+    if want_logits is None and loss is not None:
+        want_logits = trainer_needs_predictions()
     if loss is None or want_logits:
         logits = _logits(model, state, slice_logits_to_keep(hidden, logits_to_keep))
 
@@ -129,6 +133,29 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
                        if k not in ("loss", "logits")}
     result = state.output_cls(loss=loss, logits=logits, **passthrough)
     return result if return_dict else result.to_tuple()
+
+
+def trainer_needs_predictions() -> bool:
+    """True when this forward runs inside a transformers ``Trainer.prediction_step`` that returns the
+    logits (``prediction_loss_only`` False: ``compute_metrics`` is set, or ``predict()``).
+
+    The Trainer says whether it will use the logits only in that local variable (its own
+    ``skip_logits`` hint is sent to Liger-patched models alone), so we read it from the calling
+    frame.  Outside a Trainer, or if a future Trainer renames it, the answer is False: logits stay
+    None, as for any other forward given labels, never a wrong number.
+    """
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None:  # no Trainer can be calling
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "prediction_step":
+            local = frame.f_locals
+            if isinstance(local.get("self"), trainer_module.Trainer):
+                loss_only = local.get("prediction_loss_only")
+                return isinstance(loss_only, bool) and not loss_only
+        frame = frame.f_back
+    return False
 
 
 def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=None, ignore_index=None):

@@ -46,10 +46,12 @@ def test_unsupported_models_name_the_requirement():
 
 
 def test_config_dataclass_round_trip():
-    cfg = LossConfig(loss="mhce", num_heads=4, z_loss=1e-4, backend="torch")
+    cfg = LossConfig(loss="mhce", num_heads=4, z_loss=1e-4, backend="torch", return_logits=True)
     saved = cfg.to_saved()
-    assert "backend" not in saved and saved["format"] == 1
+    assert "backend" not in saved and "return_logits" not in saved and saved["format"] == 1
     assert LossConfig.from_saved(saved) == LossConfig(loss="mhce", num_heads=4, z_loss=1e-4)
+    # configs saved before return_logits became a runtime field still load (the key is ignored)
+    assert LossConfig.from_saved({**saved, "return_logits": False}).return_logits is None
 
 
 class _LargestOutput(TorchDispatchMode):

@@ -52,8 +52,7 @@ def test_mhce_trainer_learns_and_evaluates(tmp_path):
     with torch.no_grad():
         loss = model(input_ids=ids, labels=torch.stack([r["labels"] for r in rows])).loss
     assert metrics["eval_loss"] == pytest.approx(loss.item(), rel=1e-5)
-    # asking for logits (e.g. for compute_metrics) gives the mixture log-probs to predict()
-    apply_patch(model, return_logits=True)
+    # predict() asks for predictions: it gets the mixture log-probs
     pred = trainer.predict(rows)
     assert pred.predictions.shape == (8, 16, model.config.vocab_size)
     assert abs(float(torch.tensor(pred.predictions).exp().sum(-1).mean()) - 1.0) < 1e-4
@@ -83,3 +82,48 @@ def test_trainer_with_peft_lora_on_lm_head(tmp_path):
     assert trainer.model_accepts_loss_kwargs
     assert head_b.abs().sum() > 0  # the head adapter was trained through the fused loss
     assert losses[-1] < losses[0]
+
+
+def _eval_trainer(model, tmp_path, compute_metrics=None):
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to="none", use_cpu=True,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    return Trainer(model=model, args=args, eval_dataset=token_dataset(8, seed=5), compute_metrics=compute_metrics)
+
+
+@pytest.mark.parametrize("loss", ["ce", "mhce"])
+def test_compute_metrics_gets_the_models_logits(loss, tmp_path):
+    """A Trainer with compute_metrics hands it the logits an unpatched model would return (for MHCE the
+    mixture log-probs the patched model generates from); evaluate() without it builds none."""
+    import hf_mhce.patching.forward as forward
+
+    ref = make_model("llama")
+    model = apply_patch(twin(ref), loss=loss, num_heads=4 if loss == "mhce" else None)
+    rows = token_dataset(8, seed=5)
+    ids = torch.stack([r["input_ids"] for r in rows])
+    with torch.no_grad():
+        expected = (ref if loss == "ce" else model.eval())(input_ids=ids).logits
+    seen = []
+
+    def metrics(pred):
+        seen.append(pred.predictions)
+        return {"top1": float((pred.predictions[:, :-1].argmax(-1) == pred.label_ids[:, 1:]).mean())}
+
+    result = _eval_trainer(model, tmp_path, metrics).evaluate()
+    assert "eval_top1" in result
+    torch.testing.assert_close(torch.as_tensor(seen[0]), expected, rtol=1e-5, atol=1e-5)
+
+    calls = []
+    original = forward._logits
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(forward, "_logits", lambda *a: calls.append(1) or original(*a))
+    try:
+        plain = _eval_trainer(model, tmp_path).evaluate()  # loss only: no logits
+        assert calls == [] and plain["eval_loss"] == pytest.approx(result["eval_loss"], rel=1e-6)
+        apply_patch(model, return_logits=False)  # an explicit "never" wins over the Trainer's wish
+        _eval_trainer(model, tmp_path).predict(rows)
+        assert calls == []
+        apply_patch(model, return_logits=None)  # back to "when the Trainer needs them"
+        _eval_trainer(model, tmp_path).predict(rows)
+        assert len(calls) == 2  # two batches of 4
+    finally:
+        monkey.undo()
