@@ -74,6 +74,14 @@ def main(out: str) -> None:
     if not distributed or torch.distributed.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    if distributed:
+        # Leave after meeting the other ranks, skipping teardown: gloo's and DeepSpeed's exit-time
+        # destructors now and then abort a process that has finished its work (SIGABRT, "terminate
+        # called without an active exception"), which would fail a run whose results are all written.
+        torch.distributed.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
