@@ -8,6 +8,11 @@ from . import checks, dispatch
 from .collect import active_sink
 from .functions import MixtureLogprobs, MultiHeadTokenLoss
 
+# Under torch.compile the fused losses run as they are, between compiled graphs: they are already
+# fused sweeps, and tracing them would only meet their data-dependent checks and kernel launches
+# (graph breaks with warnings, or dynamo tracing the Triton launch code).
+_opaque_to_compile = torch.compiler.disable
+
 
 def _autocast(hidden, weight, bias, low_rank=None):
     """Cast like nn.Linear under torch.autocast: to the autocast dtype (differentiably)."""
@@ -40,6 +45,7 @@ def _reduce(losses, valid, label_shape, reduction, num_items_in_batch):
     return total / valid.sum().clamp_min(1).to(total.dtype)
 
 
+@_opaque_to_compile
 def multi_head_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -103,6 +109,7 @@ def multi_head_cross_entropy(
     return _reduce(losses, inputs.valid, inputs.label_shape, reduction, num_items_in_batch)
 
 
+@_opaque_to_compile
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -130,6 +137,7 @@ def linear_cross_entropy(
     )
 
 
+@_opaque_to_compile
 def multi_head_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -122,7 +122,7 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     loss = logits = None
     if labels is not None or loss_kwargs.get("shift_labels") is not None:
         loss = _loss(model, state, hidden, labels, **loss_kwargs)
-    if want_logits is None and loss is not None:
+    if want_logits is None and loss is not None and not model.training:
         want_logits = trainer_needs_predictions()
     if loss is None or want_logits:
         logits = _logits(model, state, slice_logits_to_keep(hidden, logits_to_keep))
@@ -135,6 +135,7 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     return result if return_dict else result.to_tuple()
 
 
+@torch.compiler.disable  # reads the caller's frames: must run as Python, not be traced
 def trainer_needs_predictions() -> bool:
     """True when this forward runs inside a transformers ``Trainer.prediction_step`` that returns the
     logits (``prediction_loss_only`` False: ``compute_metrics`` is set, or ``predict()``).

@@ -148,3 +148,41 @@ def test_all_ignored_batch_is_finite():
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     as_tuple = model(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
     assert len(as_tuple) == 1 and as_tuple[0].dim() == 0  # (loss,): logits None are left out, as in HF
+
+
+@pytest.mark.parametrize("loss", ["ce", "mhce"])
+def test_torch_compile_gives_the_eager_results(loss):
+    """torch.compile(model): dynamo traces the decoder and runs the fused loss as it is (no tracing
+    into its checks and launches); loss, gradients and logits equal the uncompiled patched model's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    opts = {"loss": loss, "num_heads": 4 if loss == "mhce" else None}
+    eager = apply_patch(make_model("llama"), **opts)
+    model = apply_patch(make_model("llama"), **opts)
+    compiled = torch.compile(model, backend="eager")
+    ids, labels = batch()
+    want, want_grads = _loss_and_grads(eager, input_ids=ids, labels=labels)
+    got = compiled(input_ids=ids, labels=labels)
+    got.loss.backward()
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
+    assert_grads_close(want_grads, grads(model))
+    breaks = list(counters["graph_break"])
+    assert breaks and all("torch.compiler.disable" in reason for reason in breaks), breaks  # only the one we chose
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).logits, eager(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gradient_checkpointing_matches_unpatched(family):
+    ref = make_model(family)
+    model = apply_patch(twin(ref))
+    for m in (ref, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    ids, labels = batch()
+    ref_out, ref_grads = _loss_and_grads(ref, input_ids=ids, labels=labels, use_cache=False)
+    out, got = _loss_and_grads(model, input_ids=ids, labels=labels, use_cache=False)
+    torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=0)
+    assert_grads_close(ref_grads, got)
