@@ -60,6 +60,7 @@ from transformers import HfArgumentParser
 from reporting import save_figure, write_report
 
 from hf_mhce.train import DataArguments, LoraArguments, ModelArguments, TrainArguments
+from hf_mhce.train.arguments import fuse_label_smoothing
 from hf_mhce.train.job import end_distributed
 
 # Pure-Python standard-library modules for the default fine-tuning data (none of them is in the
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     example, model_args, data_args, loss_args, lora_args, training_args = parse(argv)
+    fuse_label_smoothing(loss_args, training_args)
     started = time.time()
     pretrained = None
     if model_args.model is None:

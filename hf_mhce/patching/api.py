@@ -53,6 +53,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
     else:
         state.config, state.facts = cfg, facts
     setattr(target.config, CONFIG_KEY, cfg.to_saved())
+    state.saves_adapters = state.saves_adapters or model is not target
     for holder in {id(target): target, id(model): model}.values():  # a PeftModel saves adapters itself
         if "save_pretrained" not in holder.__dict__:
             holder.__dict__["save_pretrained"] = types.MethodType(_save_with_card, holder)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,8 @@ class PatchState:
     attr: str  # "forward", or "_old_forward" under an accelerate hook
     original: object  # the instance attribute we replaced, or _ABSENT
     original_config: object  # model.config.hf_mhce before the first patch, or _ABSENT
+    saves_adapters: bool = False  # a PeftModel around the model was patched too (writes hf_mhce.json)
+    warned_adapter_save: bool = False
 
 
 class _Absent:
@@ -104,6 +107,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
             raise TypeError(f"forward() got multiple values for argument {name!r}")
         kwargs[name] = value
     cfg = state.config
+    if "peft_config" in model.__dict__ and not (state.saves_adapters or state.warned_adapter_save):
+        _warn_adapter_save(state)
 
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:  # as transformers' can_return_tuple
@@ -133,6 +138,20 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
                        if k not in ("loss", "logits")}
     result = state.output_cls(loss=loss, logits=logits, **passthrough)
     return result if return_dict else result.to_tuple()
+
+
+def _warn_adapter_save(state: PatchState) -> None:
+    """PEFT wrapped the model after apply_patch: the PeftModel's save_pretrained is not ours."""
+    state.warned_adapter_save = True
+    if state.config.to_saved() == LossConfig().to_saved():
+        return  # plain CE with default options: an adapter saved without hf_mhce.json loses nothing
+    warnings.warn(
+        "hf_mhce: this model was patched before get_peft_model, so saving the PeftModel's adapter alone "
+        "(PeftModel.save_pretrained, Trainer.save_model) will not write hf_mhce.json, the loss config "
+        f"{state.config.to_saved()}; hf_mhce.from_pretrained(adapter_dir) would then load plain CE. "
+        "Call hf_mhce.apply_patch(peft_model) once more after get_peft_model.",
+        stacklevel=3,
+    )
 
 
 @torch.compiler.disable  # reads the caller's frames: must run as Python, not be traced

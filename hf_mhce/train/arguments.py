@@ -42,7 +42,8 @@ class DataArguments:
 class LossArguments:
     loss: str = field(default="mhce", metadata={"help": "ce or mhce"})
     num_heads: int = field(default=4, metadata={"help": "MHCE heads (must divide the hidden size)"})
-    label_smoothing: float = 0.0
+    label_smoothing: float = field(default=0.0, metadata={
+        "help": "in the fused loss (--label_smoothing_factor is routed here)"})
     z_loss: float = 0.0
     override_saved: bool = field(default=False, metadata={
         "help": "allow a --loss/--num_heads different from the one saved in a checkpoint"})
@@ -81,3 +82,20 @@ class TrainArguments(TrainingArguments):
 
 
 ALL_ARGUMENTS = (ModelArguments, DataArguments, LossArguments, LoraArguments, TrainArguments)
+
+
+def fuse_label_smoothing(loss_args, training_args) -> None:
+    """Move TrainingArguments' ``label_smoothing_factor`` into the fused loss's ``label_smoothing``.
+
+    Left to the Trainer, it takes the labels away from the model and smooths full [tokens x vocab]
+    logits itself: the same smoothing for CE, none of the memory saving.  Both set to different
+    values is an error.
+    """
+    factor = training_args.label_smoothing_factor
+    if not factor:
+        return
+    if loss_args.label_smoothing and loss_args.label_smoothing != factor:
+        raise ValueError(f"--label_smoothing_factor {factor} and --label_smoothing {loss_args.label_smoothing} "
+                         "disagree; they are the same option here (the fused loss smooths), give one")
+    loss_args.label_smoothing = factor
+    training_args.label_smoothing_factor = 0.0

@@ -16,6 +16,7 @@ import torch
 from .. import patching
 from ..rbe import RBECallback
 from . import corpus
+from .arguments import fuse_label_smoothing
 
 
 def build_tokenizer(model_args, texts):
@@ -59,7 +60,8 @@ def add_lora(model, lora_args):
     targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    # patched again as a PeftModel (same config), so that saving the adapter writes hf_mhce.json
+    return patching.apply_patch(get_peft_model(model, config))
 
 
 def build_datasets(data_args):
@@ -89,6 +91,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     from transformers import Trainer, default_data_collator, set_seed
 
     started = time.time()
+    fuse_label_smoothing(loss_args, training_args)
     set_seed(training_args.seed)
     train_texts, eval_texts = build_datasets(data_args)
     tokenizer = build_tokenizer(model_args, train_texts)

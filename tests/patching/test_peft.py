@@ -188,3 +188,32 @@ def test_adapter_saved_alone_keeps_its_loss(tmp_path, targets):
     assert hf_mhce.from_pretrained(tmp_path / "plain_adapter").get_base_model().config.hf_mhce["loss"] == "ce"
     with pytest.raises(ValueError, match="override_saved"):  # the adapter's record guards like config.json's
         hf_mhce.from_pretrained(tmp_path / "adapter", loss="ce")
+
+
+def test_patched_before_get_peft_model_warns_until_the_peft_model_is_patched(tmp_path):
+    """PEFT's save_pretrained is the PeftModel's: a model patched only before get_peft_model saves its
+    adapter without hf_mhce.json.  The first forward says so (once); patching the PeftModel fixes it."""
+    import warnings
+
+    import hf_mhce
+    from hf_mhce.patching.config import ADAPTER_CONFIG_FILE
+
+    ids, labels = batch()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="hf_mhce")  # plain CE, default options: nothing lost, silent
+        _lora(apply_patch(_saved_base(tmp_path / "ce")), ["q_proj"])(input_ids=ids, labels=labels)
+
+    model = _lora(apply_patch(_saved_base(tmp_path / "mhce"), loss="mhce", num_heads=2), ["q_proj"])
+    with pytest.warns(UserWarning, match=r"patched before get_peft_model.*apply_patch\(peft_model\)"):
+        model(input_ids=ids, labels=labels)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="hf_mhce")
+        model(input_ids=ids, labels=labels)  # once
+    model.save_pretrained(tmp_path / "lost")
+    assert not (tmp_path / "lost" / ADAPTER_CONFIG_FILE).exists()  # what the warning was about
+
+    assert apply_patch(model) is model  # no arguments: the same config, now saved with the adapter
+    model.save_pretrained(tmp_path / "kept")
+    loaded = hf_mhce.from_pretrained(tmp_path / "kept")
+    assert loaded.get_base_model().config.hf_mhce["loss"] == "mhce"
+    assert loaded.get_base_model().config.hf_mhce["num_heads"] == 2

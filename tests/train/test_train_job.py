@@ -72,6 +72,20 @@ def test_text_file_dataset_ce_with_lora(tmp_path):
     text.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}" for i in range(400)))
     out_dir = tmp_path / "lora"
     summary = hf_mhce.train.main(REDUCED + ["--output_dir", str(out_dir), "--dataset", str(text), "--loss", "ce",
-                                            "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj,lm_head"])
+                                            "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj,lm_head",
+                                            "--label_smoothing_factor", "0.05"])
     assert "eval_eval_rbe_error_entropy" in summary["final_eval"]
     assert summary["loss"] == "ce"
+    saved = json.loads((out_dir / "hf_mhce.json").read_text())  # beside the adapter
+    assert saved["label_smoothing"] == 0.05  # the Trainer's smoothing went to the fused loss
+
+
+def test_label_smoothing_factor_goes_to_the_fused_loss():
+    from hf_mhce.train.arguments import fuse_label_smoothing
+
+    _, _, loss_args, _, train_args = parse(["--label_smoothing_factor", "0.1"])
+    fuse_label_smoothing(loss_args, train_args)
+    assert loss_args.label_smoothing == 0.1 and train_args.label_smoothing_factor == 0.0
+    _, _, loss_args, _, train_args = parse(["--label_smoothing_factor", "0.1", "--label_smoothing", "0.2"])
+    with pytest.raises(ValueError, match="label_smoothing_factor 0.1 and --label_smoothing 0.2"):
+        fuse_label_smoothing(loss_args, train_args)
