@@ -22,8 +22,8 @@ Variants (bf16 inputs, float32 loss):
   hf_mhce_ranks     hf_mhce CE forward under collect_ranks (evaluation: forward only)
   slab_vocab        prototype: cuBLAS on float32 logit slabs per vocabulary slice, 8NDV (slab_prototype.py)
   slab_fwdgrad      prototype: gradients in the forward per token chunk, float32 dW, 6NDV (slab_prototype.py)
-Every variant's loss, and its dX and dW, are compared with float32 references (hf_mhce's torch path on
-float32 copies of the inputs): a fast wrong answer is no result.
+Every variant's loss, and its dX and dW, are compared with float32 references of the same loss (hf_mhce's
+torch path on float32 copies of the inputs; H heads for the MHCE rows): a fast wrong answer is no result.
 Writes benchmarks/results/<device>-<date>-peers-<shapes>.md and .json, after every shape.
 """
 
@@ -150,13 +150,19 @@ def matmul_rate(n, d, v, device, dtype, timer) -> float:
     return 2 * n * d * v / (ms / 1000)
 
 
-def reference_grads(x, w, labels):
-    """dX, dW of the mean CE in float32 (hf_mhce's chunked torch path on float32 copies)."""
+def heads_of(name: str) -> int:
+    """The number of MHCE heads a variant's loss has (1: cross-entropy)."""
+    return int(name.removeprefix("hf_mhce_mhce")) if name.startswith("hf_mhce_mhce") else 1
+
+
+def reference(x, w, labels, heads):
+    """Loss, dX, dW of the mean (multi-head) CE in float32 (hf_mhce's chunked torch path on float32 copies)."""
     import hf_mhce
 
     xr, wr = (t.detach().float().requires_grad_() for t in (x, w))
-    hf_mhce.linear_cross_entropy(xr, wr, labels, backend="torch").backward()
-    return xr.grad, wr.grad
+    loss = hf_mhce.multi_head_cross_entropy(xr, wr, labels, heads, backend="torch")
+    loss.backward()
+    return loss.item(), xr.grad, wr.grad
 
 
 def grad_errors(fn, x, w, labels, ref) -> dict:
@@ -210,15 +216,17 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
              "lower_bound_mb": 2 * (n * d + v * d) * elem / 2**20}  # X, W, dX, dW
     rows = []
     x0, y0 = sets[0]
-    with torch.no_grad():  # every variant's loss beside HF's: a fast wrong answer is no result
-        reference = F.cross_entropy((x0 @ w.T).float(), y0, ignore_index=-100).item()
-    ref_grads = reference_grads(x0, w, y0)
+    references = {}  # per number of heads: a fast wrong answer is no result
     for name in variants:
         row = {"shape": label, "D": d, "V": v, "N": n, "variant": name, **{f"floor_{k}": x for k, x in floor.items()}}
         try:
             fn, forward_only = make_variant(name, device)
+            heads = heads_of(name)
+            if heads not in references:
+                references[heads] = reference(x0, w, y0, heads)
+            ref_loss, *ref_grads = references[heads]
             with torch.no_grad():
-                row["loss_rel_err"] = abs(float(fn(x0, w, y0)) - reference) / abs(reference)
+                row["loss_rel_err"] = abs(float(fn(x0, w, y0)) - ref_loss) / abs(ref_loss)
             if not forward_only:
                 row.update(grad_errors(fn, x0, w, y0, ref_grads))
             row.update(measure(fn, forward_only, w, sets, timer, device))
@@ -243,14 +251,14 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
 def markdown(rows: list[dict], device_name: str, today: str) -> str:
     lines = [f"# Fused cross-entropy vs peers on {device_name} ({today})", "",
              "Times in ms (median); floor = 6NDV (fwd+bwd) or 2NDV (fwd) FLOPs at the matmul rate measured in the "
-             "same run; memory = peak allocated above the inputs vs dX + dW; loss vs HF = relative difference from "
-             "hf_eager's loss on the same inputs (MHCE is a different loss: its row shows how different).", ""]
+             "same run; memory = peak allocated above the inputs vs dX + dW; loss / dX / dW err = relative difference from "
+             "the float32 reference of the row's own loss (cross-entropy; MHCE with H heads for the MHCE rows).", ""]
     for shape in dict.fromkeys((r["shape"], r["N"]) for r in rows):
         group = [r for r in rows if (r["shape"], r["N"]) == shape]
         g0 = group[0]
         lines += [f"## {shape[0]} (D={g0['D']}, V={g0['V']}), N={shape[1]}: floor {g0['floor_fwd_bwd_ms']:.2f} ms "
                   f"fwd+bwd, {g0['floor_fwd_ms']:.2f} ms fwd", "",
-                  "| variant | fwd | bwd | fwd+bwd | x floor | peak extra MB | x bound | x hf_mhce_ce | loss vs HF | dX err | dW err | note |",
+                  "| variant | fwd | bwd | fwd+bwd | x floor | peak extra MB | x bound | x hf_mhce_ce | loss err | dX err | dW err | note |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         ours = next((r for r in group if r["variant"] == "hf_mhce_ce" and "fwd_bwd_ms" in r), None)
         for r in group:
@@ -267,14 +275,14 @@ def markdown(rows: list[dict], device_name: str, today: str) -> str:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--tokens", type=int, nargs="+", help="default: 4096 16384 32768 (--small: 37 64)")
     p.add_argument("--variants", nargs="+", default=[*PEERS, *OURS, *PROTOTYPES], choices=[*PEERS, *OURS, *PROTOTYPES])
     add_device_options(p, reps=5)
     p.add_argument("--rotate", type=int, default=3, help="input sets cycled through (cache fairness)")
     args = p.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     shapes = SMALL if args.small else {k: SHAPES[k] for k in args.shapes}
-    tokens = [37, 64] if args.small else args.tokens
+    tokens = args.tokens or ([37, 64] if args.small else [4096, 16384, 32768])
     name = device_label(device)
     today = datetime.date.today().isoformat()
     stem = f"{name}-{today}-peers-{'-'.join(shapes)}" + ("-small" if args.small else "")
