@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -167,14 +168,19 @@ def trainer_needs_predictions() -> bool:
     trainer_module = sys.modules.get("transformers.trainer")
     if trainer_module is None:  # no Trainer can be calling
         return False
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "prediction_step":
-            local = frame.f_locals
-            if isinstance(local.get("self"), trainer_module.Trainer):
-                loss_only = local.get("prediction_loss_only")
-                return isinstance(loss_only, bool) and not loss_only
-        frame = frame.f_back
+    stacks = [sys._getframe(1)]
+    if threading.current_thread() is not threading.main_thread():
+        # nn.DataParallel (Trainer on several GPUs of one process) runs the replicas in worker
+        # threads while the main thread waits inside the prediction step
+        stacks.append(sys._current_frames().get(threading.main_thread().ident))
+    for frame in stacks:
+        while frame is not None:
+            if frame.f_code.co_name == "prediction_step":
+                local = frame.f_locals
+                if isinstance(local.get("self"), trainer_module.Trainer):
+                    loss_only = local.get("prediction_loss_only")
+                    return isinstance(loss_only, bool) and not loss_only
+            frame = frame.f_back
     return False
 
 

@@ -127,3 +127,28 @@ def test_compute_metrics_gets_the_models_logits(loss, tmp_path):
         assert len(calls) == 2  # two batches of 4
     finally:
         monkey.undo()
+
+
+def test_compute_metrics_with_replicas_in_threads(tmp_path):
+    """nn.DataParallel (Trainer on several GPUs of one process) runs each replica's forward in a worker
+    thread: the logits still reach compute_metrics.  Simulated on CPU by a Trainer whose forward runs
+    in a thread, as DataParallel's parallel_apply does."""
+    import threading
+
+    class ThreadedForward(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kw):
+            box = []
+            worker = threading.Thread(target=lambda: box.append(super(ThreadedForward, self).compute_loss(
+                model, inputs, return_outputs=return_outputs, **kw)))
+            worker.start()
+            worker.join()
+            return box[0]
+
+    model = apply_patch(make_model("llama")).eval()
+    seen = []
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to="none", use_cpu=True,
+                             disable_tqdm=True, dataloader_num_workers=0)
+    trainer = ThreadedForward(model=model, args=args, eval_dataset=token_dataset(8, seed=5),
+                              compute_metrics=lambda p: seen.append(p.predictions) or {})
+    trainer.evaluate()
+    assert seen[0].shape == (8, 16, model.config.vocab_size)
