@@ -7,6 +7,10 @@ upcast to the compute dtype and, in the backward, their gradient accumulator.  O
 the sweeps keep O(N * H) statistics, plus (backward) a compute-dtype dX buffer when hidden is not
 already in the compute dtype.
 
+Block-sized temporaries live in buffers reused across the blocks of a sweep (``_Problem.scratch``),
+with in-place elementwise steps: a fresh [H, rows, cols] tensor per block is large enough that
+glibc maps and unmaps it every time, and those page faults cost a third of an MHCE sweep's CPU time.
+
 Loops run over vocabulary chunks outermost so that each weight chunk is upcast once and its
 gradient is accumulated in the compute dtype (float32, or float64 for float64 inputs) and written
 to dW once: no low-precision accumulation of dW across chunks.
@@ -48,7 +52,7 @@ def block_shape(n: int, v: int, d: int, h: int, elem: int, budget: int) -> tuple
     """(rows, cols) of a logits block so that its temporaries fit in ``budget`` bytes."""
     cols = min(v, _MAX_COLS)
     while True:
-        fixed = 2 * cols * d * elem  # upcast weight chunk + its gradient accumulator
+        fixed = 3 * cols * d * elem  # upcast weight chunk, its gradient accumulator and one block's product
         per_row = 4 * h * cols * elem + 2 * d * elem  # logits-sized temporaries + hidden rows
         rows = (budget - fixed) // per_row
         if rows >= min(n, 16) or cols == 1:
@@ -73,6 +77,16 @@ class _Problem:
         self.cdt = compute_dtype(x.dtype)
         elem = torch.finfo(self.cdt).bits // 8
         self.rows, self.cols = block_shape(self.n, self.v, self.d, num_heads, elem, chunk_bytes())
+        self._scratch = {}
+
+    def scratch(self, name, *shape, dtype=None):
+        """A contiguous tensor of ``shape`` (compute dtype by default) in buffer ``name``, reused block
+        after block (the first block is the largest, so a buffer is allocated once per sweep)."""
+        numel = math.prod(shape)
+        flat = self._scratch.get(name)
+        if flat is None or flat.numel() < numel:
+            flat = self._scratch[name] = torch.empty(numel, dtype=dtype or self.cdt, device=self.x.device)
+        return flat[:numel].view(shape)
 
     def weight_chunk(self, v0, v1):
         """[H, Dh, cols] compute-dtype view of weight rows v0:v1."""
@@ -89,13 +103,16 @@ class _Problem:
         return self.u[n0:n1].to(self.cdt).transpose(0, 1), self.b[v0:v1].to(self.cdt).T
 
     def logits(self, xc, wc, v0, v1, lr=None):
-        """Logits block [H, rows, cols] in compute dtype, softcap applied (lr: ``low_rank_chunk``)."""
-        y = torch.matmul(xc, wc)
+        """Logits block [H, rows, cols] in compute dtype, softcap applied (lr: ``low_rank_chunk``), in the
+        scratch buffer "y": valid until the next block's logits."""
+        y = torch.matmul(xc, wc, out=self.scratch("y", self.h, xc.shape[1], v1 - v0))
         if lr is not None:
-            y = y + torch.matmul(*lr)
+            y.baddbmm_(lr[0], lr[1].expand(self.h, *lr[1].shape))
         if self.bias is not None:
-            y = y + self.bias[v0:v1].to(self.cdt)
-        return y if self.softcap is None else self.softcap * torch.tanh(y / self.softcap)
+            y += self.bias[v0:v1].to(self.cdt)
+        if self.softcap is not None:
+            y.div_(self.softcap).tanh_().mul_(self.softcap)
+        return y
 
 
 class SweepStats(NamedTuple):
@@ -141,9 +158,9 @@ def target_logits(pb: _Problem, labels):
     return out
 
 
-def _count_above(values, reference, labels, v0):
+def _count_above(pb, values, reference, labels, v0):
     """Per row, entries of ``values`` [rows, cols] strictly above ``reference`` [rows], target excluded."""
-    above = values > reference[:, None]
+    above = torch.gt(values, reference[:, None], out=pb.scratch("above", *values.shape, dtype=torch.bool))
     t = labels - v0
     hit = ((t >= 0) & (t < values.shape[1])).nonzero().squeeze(1)
     above[hit, t[hit]] = False
@@ -161,35 +178,39 @@ def _lse_sweep(pb: _Problem, need_logit_sum: bool, rank_labels=None, target=None
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
             y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
-            m_old = m[:, n0:n1]
-            m_new = torch.maximum(m_old, y.amax(dim=-1))
-            s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - m_new) + torch.exp(y - m_new[..., None]).sum(-1)
-            m[:, n0:n1] = m_new
             if ysum is not None:
                 ysum[:, n0:n1] += y.sum(-1)
             if ranks is not None:
-                ranks[n0:n1] += _count_above(y[0], target[n0:n1, 0], rank_labels[n0:n1], v0)
+                ranks[n0:n1] += _count_above(pb, y[0], target[n0:n1, 0], rank_labels[n0:n1], v0)
+            m_old = m[:, n0:n1]
+            m_new = torch.maximum(m_old, y.amax(dim=-1))
+            s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - m_new) + y.sub_(m_new[..., None]).exp_().sum(-1)
+            m[:, n0:n1] = m_new
     lse = (m + torch.log(s)).T.contiguous()
     return lse, (ysum.T.contiguous() if ysum is not None else None), ranks
 
 
-def _logsumexp_heads(t):
-    """logsumexp over dim 0 written out, so that the target and the blocks round identically."""
-    m = t.amax(dim=0)
-    return m + torch.log(torch.exp(t - m).sum(dim=0))
+def _logsumexp_heads(t, pb=None):
+    """logsumexp over dim 0 written out, so that the target and the blocks round identically
+    (overwrites ``t``; given ``pb``, the result lives in its scratch buffers)."""
+    shape = t.shape[1:]
+    m = t.amax(dim=0) if pb is None else torch.amax(t, 0, out=pb.scratch("max", *shape))
+    e = t.sub_(m).exp_()
+    s = e.sum(dim=0) if pb is None else torch.sum(e, 0, out=pb.scratch("sum", *shape))
+    return s.log_().add_(m)
 
 
 def _mixture_rank_sweep(pb: _Problem, lse, target, labels):
     """Ranks under the mixture: entries j != t with log pbar_j > log pbar_t (float32)."""
     lse_t = lse.T  # [H, N]
-    mix_target = _logsumexp_heads(target.T - lse_t)  # log(H * pbar_t), [N]
+    mix_target = _logsumexp_heads(target.T - lse_t)  # log(H * pbar_t), [N]; a new tensor, overwritten
     ranks = torch.zeros(pb.n, dtype=torch.int64, device=pb.x.device)
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
             y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
-            mix = _logsumexp_heads(y - lse_t[:, n0:n1, None])
-            ranks[n0:n1] += _count_above(mix, mix_target[n0:n1], labels[n0:n1], v0)
+            mix = _logsumexp_heads(y.sub_(lse_t[:, n0:n1, None]), pb)
+            ranks[n0:n1] += _count_above(pb, mix, mix_target[n0:n1], labels[n0:n1], v0)
     return ranks
 
 
@@ -204,7 +225,7 @@ class _Grads:
         dev, cdt = pb.x.device, pb.cdt
         self.need_dx, self.need_dw, self.need_db = needs[:3]
         self.need_du, self.need_dlb = needs[3:] if pb.u is not None else (False, False)
-        self.dx = torch.zeros(pb.n, pb.h, pb.dh, dtype=cdt, device=dev) if self.need_dx else None
+        self.dx = torch.zeros(pb.h, pb.n, pb.dh, dtype=cdt, device=dev) if self.need_dx else None
         self.dw = torch.empty_like(pb.w) if self.need_dw else None
         self.db = torch.zeros(pb.v, dtype=cdt, device=dev) if self.need_db else None
         self.du = torch.zeros(pb.u.shape, dtype=cdt, device=dev) if self.need_du else None  # [N, H, R]
@@ -213,14 +234,15 @@ class _Grads:
     def start_chunk(self, v0, v1):
         self.v0, self.v1 = v0, v1
         if self.need_dw:
-            self.dwc = torch.zeros(self.pb.h, v1 - v0, self.pb.dh, dtype=self.pb.cdt, device=self.pb.x.device)
+            self.dwc = self.pb.scratch("dw", self.pb.h, v1 - v0, self.pb.dh).zero_()
 
     def add(self, dz, xc, wc, lr, n0, n1):
         v0, v1 = self.v0, self.v1
-        if self.need_dx:
-            self.dx[n0:n1] += torch.matmul(dz, wc.transpose(1, 2)).transpose(0, 1)
+        pb = self.pb
+        if self.need_dx:  # products into scratch, then added: baddbmm_ would round worse on CPU
+            self.dx[:, n0:n1] += torch.matmul(dz, wc.transpose(1, 2), out=pb.scratch("dx", pb.h, n1 - n0, pb.dh))
         if self.need_dw:
-            self.dwc += torch.matmul(dz.transpose(1, 2), xc)
+            self.dwc += torch.matmul(dz.transpose(1, 2), xc, out=pb.scratch("dwt", pb.h, v1 - v0, pb.dh))
         if self.need_db:
             self.db[v0:v1] += dz.sum(dim=(0, 1))
         if self.need_du:  # [H, rows, cols] @ [cols, R]
@@ -230,11 +252,11 @@ class _Grads:
 
     def end_chunk(self):
         if self.need_dw:
-            self.dw[self.v0:self.v1] = self.dwc.permute(1, 0, 2).reshape(self.v1 - self.v0, self.pb.d)
+            self.dw[self.v0:self.v1].view(-1, self.pb.h, self.pb.dh).copy_(self.dwc.transpose(0, 1))
 
     def result(self):
         pb = self.pb
-        dx = self.dx.view(pb.n, pb.d).to(pb.x.dtype) if self.need_dx else None
+        dx = self.dx.transpose(0, 1).reshape(pb.n, pb.d).to(pb.x.dtype) if self.need_dx else None
         db = self.db.to(pb.bias.dtype) if self.need_db else None
         if pb.u is None:
             return dx, self.dw, db
@@ -261,16 +283,20 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
             xc = pb.hidden_chunk(n0, n1)
             lr = pb.low_rank_chunk(n0, n1, v0, v1)
             y = pb.logits(xc, wc, v0, v1, lr)
-            dz = torch.exp(y - lse_t[:, n0:n1, None]).mul_(alpha_t[:, n0:n1, None])
+            if softcap is None:  # y is not needed again: dz takes its buffer
+                dz = y.sub_(lse_t[:, n0:n1, None])
+            else:  # y is kept for the softcap derivative
+                dz = torch.sub(y, lse_t[:, n0:n1, None], out=pb.scratch("dz", *y.shape))
+            dz.exp_().mul_(alpha_t[:, n0:n1, None])
             dz -= gamma[None, n0:n1, None]
             t = labels[n0:n1]
             hit = ((t >= v0) & (t < v1)).nonzero().squeeze(1)  # tokens whose target is in this chunk
             if hit.numel():
                 dz[:, hit, t[hit] - v0] -= beta_t[:, n0:n1][:, hit]
-            if softcap is not None:
-                dz *= 1.0 - torch.square(y / softcap)
+            if softcap is not None:  # d(c tanh(z / c)) / dz = 1 - (y / c)^2
+                dz *= y.div_(softcap).square_().neg_().add_(1.0)
             if any_invalid:  # invalid tokens may carry NaN logits; their gradient is exactly 0
-                dz = dz.masked_fill(~valid[None, n0:n1, None], 0.0)
+                dz.masked_fill_(~valid[None, n0:n1, None], 0.0)
             grads.add(dz, xc, wc, lr, n0, n1)
         grads.end_chunk()
     return grads.result()
@@ -287,8 +313,8 @@ def mixture_logprobs(x, w, bias, num_heads, softcap, low_rank=None):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
             y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
-            logp = y - lse_t[:, n0:n1, None]
-            out[n0:n1, v0:v1] = logp[0] if num_heads == 1 else torch.logsumexp(logp, dim=0) - log_h
+            logp = y.sub_(lse_t[:, n0:n1, None])
+            out[n0:n1, v0:v1] = logp[0] if num_heads == 1 else _logsumexp_heads(logp, pb).sub_(log_h)
     return out, lse
 
 
@@ -307,9 +333,9 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad
         """(hidden chunk, low-rank chunk, y, log p, grad * r) of one block."""
         xc, lr = pb.hidden_chunk(n0, n1), pb.low_rank_chunk(n0, n1, v0, v1)
         y = pb.logits(xc, wc, v0, v1, lr)
-        logp = y - lse_t[:, n0:n1, None]
-        r = torch.exp(logp - log_h - logpbar[None, n0:n1, v0:v1])
-        return xc, lr, y, logp, r * grad[None, n0:n1, v0:v1]
+        logp = torch.sub(y, lse_t[:, n0:n1, None], out=pb.scratch("logp", *y.shape))
+        gr = torch.sub(logp, log_h, out=pb.scratch("gr", *y.shape)).sub_(logpbar[None, n0:n1, v0:v1]).exp_()
+        return xc, lr, y, logp, gr.mul_(grad[None, n0:n1, v0:v1])
 
     s = torch.zeros(pb.h, pb.n, dtype=pb.cdt, device=x.device)
     if num_heads == 1:
@@ -326,9 +352,9 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad
         grads.start_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
             xc, lr, y, logp, gr = block_terms(wc, v0, v1, n0, n1)
-            dz = gr - torch.exp(logp) * s[:, n0:n1, None]
+            dz = gr.sub_(logp.exp_().mul_(s[:, n0:n1, None]))
             if softcap is not None:
-                dz *= 1.0 - torch.square(y / softcap)
+                dz *= y.div_(softcap).square_().neg_().add_(1.0)
             grads.add(dz, xc, wc, lr, n0, n1)
         grads.end_chunk()
     return grads.result()
