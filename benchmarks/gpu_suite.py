@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from records import write_record
+from records import device_label, write_record
 
 from hf_mhce import multi_head_cross_entropy
 
@@ -122,7 +122,7 @@ def main():
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = p.parse_args()
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else "cpu-interpreter"
+    name = device_label(device)
     rows = []
     for dt in args.dtypes:
         for h in args.heads:

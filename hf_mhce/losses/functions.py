@@ -10,13 +10,29 @@ from torch.autograd.function import once_differentiable
 from ..ops import mixture, torch_sweep
 
 
+def _pair(low_u, low_b):
+    """The ops' ``low_rank`` argument from the Function's two tensor inputs (None when absent)."""
+    return (low_u, low_b) if low_u is not None else None
+
+
+def _needs(ctx, low_rank) -> tuple:
+    """Which of hidden, weight, bias (and U, B of a low-rank pair) need a gradient."""
+    return tuple(ctx.needs_input_grad[:5 if low_rank is not None else 3])
+
+
+def _all_inputs(ctx, grads) -> tuple:
+    """The ops' gradients, then None for every other input of the Function."""
+    grads = tuple(grads) if grads is not None else ()
+    return grads + (None,) * (len(ctx.needs_input_grad) - len(grads))
+
+
 class MultiHeadTokenLoss(torch.autograd.Function):
     """Per-token MHCE loss [N]; the incoming gradient is per token, so every reduction is exact."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, low_u, low_b, labels, valid, num_heads, softcap, label_smoothing,
                 z_loss, ops, sink=None):
-        low_rank = (low_u, low_b) if low_u is not None else None
+        low_rank = _pair(low_u, low_b)
         with torch.autocast(hidden.device.type, enabled=False):
             stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0,
                                       need_ranks=sink is not None, low_rank=low_rank)
@@ -34,10 +50,10 @@ class MultiHeadTokenLoss(torch.autograd.Function):
     def backward(ctx, grad_tokens):
         hidden, weight, bias, low_u, low_b, labels, valid, lse, target = ctx.saved_tensors
         num_heads, softcap, label_smoothing, z_loss, ops = ctx.options
-        low_rank = (low_u, low_b) if low_u is not None else None
-        needs = tuple(ctx.needs_input_grad[:5 if low_rank is not None else 3])
+        low_rank = _pair(low_u, low_b)
+        needs = _needs(ctx, low_rank)
         if not any(needs):
-            return (None,) * 13
+            return _all_inputs(ctx, None)
         with torch.autocast(hidden.device.type, enabled=False):
             alpha, beta, gamma = mixture.grad_coefficients(
                 lse, target, valid, grad_tokens, weight.shape[0], label_smoothing, z_loss
@@ -46,8 +62,7 @@ class MultiHeadTokenLoss(torch.autograd.Function):
                 hidden, weight, bias, labels, lse, alpha.contiguous(), beta.contiguous(),
                 gamma.contiguous(), num_heads, softcap, needs, low_rank=low_rank,
             )
-        grads = tuple(grads) + (None,) * (13 - len(grads))  # no gradient for the low-rank pair when absent
-        return grads
+        return _all_inputs(ctx, grads)
 
 
 class MixtureLogprobs(torch.autograd.Function):
@@ -55,7 +70,7 @@ class MixtureLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, low_u, low_b, num_heads, softcap):
-        low_rank = (low_u, low_b) if low_u is not None else None
+        low_rank = _pair(low_u, low_b)
         with torch.autocast(hidden.device.type, enabled=False):
             out, lse = torch_sweep.mixture_logprobs(hidden, weight, bias, num_heads, softcap, low_rank)
         ctx.save_for_backward(hidden, weight, bias, low_u, low_b, lse, out)
@@ -67,12 +82,12 @@ class MixtureLogprobs(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, bias, low_u, low_b, lse, out = ctx.saved_tensors
         num_heads, softcap = ctx.options
-        low_rank = (low_u, low_b) if low_u is not None else None
-        needs = tuple(ctx.needs_input_grad[:5 if low_rank is not None else 3])
+        low_rank = _pair(low_u, low_b)
+        needs = _needs(ctx, low_rank)
         if not any(needs):
-            return (None,) * 7
+            return _all_inputs(ctx, None)
         with torch.autocast(hidden.device.type, enabled=False):
             grads = torch_sweep.mixture_logprobs_backward(
                 hidden, weight, bias, num_heads, softcap, lse, out, grad, needs, low_rank
             )
-        return tuple(grads) + (None,) * (7 - len(grads))
+        return _all_inputs(ctx, grads)

@@ -127,11 +127,11 @@ class RBECallback(TrainerCallback):
             check_replicas_in_sync(model)
 
     def on_prediction_step(self, args, state, control, model=None, eval_dataloader=None, **kwargs):
-        if self._model is None:  # not attached at init: this is the first batch of an evaluation
+        if self._model is None:  # added with trainer.add_callback after init: first batch of an evaluation
             _check_not_data_parallel(args)
-        if self._model is None and model is not None:
-            self._attach(model)  # added with trainer.add_callback after init: this batch was missed
-            self._late = True
+            if model is not None:
+                self._attach(model)  # this batch was missed
+                self._late = True
         if self._batch:
             ranks = torch.cat([r for r, _ in self._batch])
             nll = torch.cat([n for _, n in self._batch])

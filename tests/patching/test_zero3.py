@@ -18,7 +18,7 @@ CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce"]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    env = child_env(str(HERE), str(ROOT), DS_ACCELERATOR="cpu")
+    env = child_env(str(HERE), str(HERE.parent), str(ROOT), DS_ACCELERATOR="cpu")
     return run_worker_pair(HERE / "zero3_worker.py", tmp_path_factory.mktemp("zero3"), env)
 
 

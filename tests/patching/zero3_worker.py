@@ -22,6 +22,7 @@ import torch
 
 torch.set_num_threads(1)
 
+from launch_helpers import leave_without_teardown  # noqa: E402
 from sharding_worker import ROWS, build, global_batch, loss_options  # noqa: E402
 
 CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce"]
@@ -75,13 +76,7 @@ def main(out: str) -> None:
         with open(out, "w") as f:
             json.dump(results, f)
     if distributed:
-        # Leave after meeting the other ranks, skipping teardown: gloo's and DeepSpeed's exit-time
-        # destructors now and then abort a process that has finished its work (SIGABRT, "terminate
-        # called without an active exception"), which would fail a run whose results are all written.
-        torch.distributed.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_without_teardown()
 
 
 if __name__ == "__main__":

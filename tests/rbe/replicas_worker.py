@@ -11,13 +11,13 @@ Usage: replicas_worker.py OUT_JSON
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
 
 torch.set_num_threads(1)
 
+from launch_helpers import leave_without_teardown  # noqa: E402
 from rbe_helpers import make_model, mixed_dataset  # noqa: E402
 
 
@@ -55,11 +55,7 @@ def main(out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)
-    dist.barrier()
-    # Leave without tearing down: freeing a DDP-wrapped model at exit sometimes aborts or deadlocks
-    # inside ProcessGroupGloo's destructor (torch 2.13; seen once in CI as SIGABRT after the results).
-    sys.stdout.flush()
-    os._exit(0)
+    leave_without_teardown()
 
 
 if __name__ == "__main__":

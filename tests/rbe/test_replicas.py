@@ -22,7 +22,7 @@ def test_unsynchronised_processes_raise(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(HERE / "replicas_worker.py"),
            str(tmp_path / "out.json")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(str(HERE), str(ROOT)), timeout=380,
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(str(HERE), str(HERE.parent), str(ROOT)), timeout=380,
                           cwd=str(tmp_path))
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
     result = json.loads((tmp_path / "out.json").read_text())
