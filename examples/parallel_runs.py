@@ -15,12 +15,6 @@ import subprocess
 import sys
 import time
 
-# glibc malloc: keep freed memory instead of returning it to the OS (mmap/munmap) at every large
-# tensor; otherwise a training step spends ~25 % of its time in page faults, and two concurrent
-# runs slow each other down about 2x (measured on a 2-vCPU VM).  Results are unchanged.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
 # The training schedule of every run (hf-mhce train options); --quick replaces it by QUICK_SCHEDULE.
 SCHEDULE = {
     "vocab_size": 4096, "block_size": 64, "max_eval_blocks": 100000,
@@ -102,7 +96,6 @@ def run_jobs(jobs: list[tuple[str, list[str]]], out: str, workers: int, threads:
             print(f"[done] {name}: {results[name]['wall_seconds']:.0f} s", flush=True)
         return results
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    env.update({k: v for k, v in MALLOC_ENV.items() if k not in os.environ})
     pending, running = list(jobs), {}
     while pending or running:
         while pending and len(running) < workers:

@@ -137,7 +137,6 @@ def test_parallel_workers_match_in_process(tmp_path):
         assert (a["heads"], a["seed"]) == (b["heads"], b["seed"])
         for key in ("docs_loss", "code_loss", "docs_error_entropy", "code_self_alignment", "train_loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), key
-    assert load("parallel_runs").MALLOC_ENV  # the subprocesses' malloc settings (speed only)
 
 
 @pytest.mark.timeout(120)
