@@ -16,9 +16,9 @@ perplexity = exp(eval loss)), on two evaluation sets, "docs" (held-out documenta
 (CE = Error-Entropy + Self-Alignment - Confidence, nats; see section 3 of the brief).
 
 Runs go to ``--workers`` parallel processes (``hf-mhce train`` subprocesses with ``--threads`` torch
-threads each, glibc malloc told to keep freed memory: see parallel_runs.py; ``--workers 1`` runs them in
-this process).  These models are too small for intra-op threads: 2 workers x 1 thread beat 1 x 2
-threads on 2 cores, and on a busy machine two OpenMP threads were up to ~20x slower (measured).
+threads each: see parallel_runs.py; ``--workers 1`` runs them in this process).  These models are
+too small for intra-op threads: 2 workers x 1 thread beat 1 x 2 threads on 2 cores, and on a busy
+machine two OpenMP threads were up to ~20x slower (measured).
 Written to ``--out``: table.md, results.json (every run, per-H means, the verdict), mhce_vs_ce.png,
 the tokenizer, and runs/<H>_s<seed>/ (the main job's output: model, card, metrics.json, RBE plots).
 

@@ -20,10 +20,9 @@ models, 14M-70B) finds Error-Entropy follows a power law in size (R^2 ~0.9+) bet
 that it is 80-90 % of CE in small models and shrinks with scale.
 
 Runs go to ``--workers`` parallel processes (``hf-mhce train`` subprocesses, ``--threads`` torch
-threads each, largest first, glibc malloc told to keep freed memory: see parallel_runs.py; ``--workers 1``
-runs them in this process).  Written to ``--out``:
-table.md, results.json (every size, the fits, the verdict), rbe_scaling.png, the tokenizer, and
-runs/<size>/ (the main job's output: model, card, metrics.json, RBE plots).
+threads each, largest first: see parallel_runs.py; ``--workers 1`` runs them in this process).
+Written to ``--out``: table.md, results.json (every size, the fits, the verdict), rbe_scaling.png,
+the tokenizer, and runs/<size>/ (the main job's output: model, card, metrics.json, RBE plots).
 
 Results on 2026-11-22, CPU (2 vCPUs; 2 workers x 1 thread), default configuration: 10 sizes 16x1 ..
 384x6 (0.13M - 13.8M parameters, BPE vocabulary 4096, untied head), loss CE, 250 steps x 16 blocks x
