@@ -126,7 +126,9 @@ def main(out: str) -> None:
         with open(out, "w") as f:
             json.dump(results, f)
     if distributed:
-        dist.destroy_process_group()
+        from launch_helpers import leave_without_teardown
+
+        leave_without_teardown()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ ROOT = HERE.parent.parent
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_worker_pair(HERE / "sharding_worker.py", tmp_path_factory.mktemp("fsdp"), child_env(str(HERE), str(ROOT)))
+    env = child_env(str(HERE), str(HERE.parent), str(ROOT))
+    return run_worker_pair(HERE / "sharding_worker.py", tmp_path_factory.mktemp("fsdp"), env)
 
 
 @pytest.mark.timeout(300)

@@ -86,8 +86,9 @@ def main() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        from launch_helpers import leave_without_teardown
+
+        leave_without_teardown()
 
 
 if __name__ == "__main__":

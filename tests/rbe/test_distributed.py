@@ -41,7 +41,7 @@ def _assert_same(got: dict, ref: dict, what: str):
 
 def test_two_processes_match_one(tmp_path, monkeypatch):
     out = tmp_path / "dist.json"
-    env = child_env(str(HERE), str(ROOT), HF_HUB_OFFLINE="1")
+    env = child_env(str(HERE), str(HERE.parent), str(ROOT), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), str(HERE / "dist_worker.py"), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180, cwd=str(tmp_path))
