@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-import types
 
 import torch
-from torch import nn
 
-from .card import set_card_section, write_card
-from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config, write_adapter_config
+from .card import set_card_section
+from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config
 from .families import FAMILIES, LogitFacts, check_structure, model_type, probe_inputs, unsupported
-from .forward import ABSENT, STATE_ATTR, PatchState, generic_forward, make_forward, mirrored_signature
+from .forward import ABSENT, STATE_ATTR, PatchState, generic_forward, mirrored_signature
 from .head import UnsupportedHeadError, resolve_head
+from .methods import bind_forward, install, remove
+from .methods import unwrap as _unwrap
 
 # Model classes outside FAMILIES that passed (True) or failed (False) the verification probe.
 _PROBED: dict[type, bool] = {}
@@ -49,31 +49,15 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             original_config=saved if saved is not None else ABSENT,
         )
         target.__dict__[STATE_ATTR] = state
-        target.__dict__[attr] = types.MethodType(make_forward(sig, type(target)), target)
+        bind_forward(target)
     else:
         state.config, state.facts = cfg, facts
     setattr(target.config, CONFIG_KEY, cfg.to_saved())
     state.saves_adapters = state.saves_adapters or model is not target
-    for holder in {id(target): target, id(model): model}.values():  # a PeftModel saves adapters itself
-        if "save_pretrained" not in holder.__dict__:
-            holder.__dict__["save_pretrained"] = types.MethodType(_save_with_card, holder)
+    install(target)
+    if model is not target:  # a PeftModel saves its adapters itself
+        install(model)
     return model
-
-
-def _save_with_card(self, save_directory, *args, **kwargs):
-    """The class's save_pretrained, then the hf_mhce section of the model card (main process).
-
-    A PeftModel saves its adapters without the base's config.json, so the loss config goes beside
-    them in ``hf_mhce.json``, where ``from_pretrained`` of the adapter directory finds it.
-    """
-    result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
-    target = _unwrap(self)
-    state = target.__dict__.get(STATE_ATTR)
-    if state is not None and kwargs.get("is_main_process", True):
-        write_card(target, state.config, os.fspath(save_directory))
-        if self is not target:
-            write_adapter_config(os.fspath(save_directory), state.config)
-    return result
 
 
 def add_card_section(model, title: str, render) -> None:
@@ -93,9 +77,7 @@ def unpatch(model):
     else:
         target.__dict__[state.attr] = state.original
     for holder in (target, model):
-        bound = holder.__dict__.get("save_pretrained")
-        if getattr(bound, "__func__", None) is _save_with_card:
-            del holder.__dict__["save_pretrained"]
+        remove(holder)
     if state.original_config is ABSENT:
         if hasattr(target.config, CONFIG_KEY):
             delattr(target.config, CONFIG_KEY)
@@ -133,20 +115,6 @@ def from_pretrained(path_or_id, **kwargs):
 
     model = AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
     return apply_patch(model, **patch_kwargs)
-
-
-def _unwrap(model) -> nn.Module:
-    """The transformers model inside a PeftModel (or LoraModel); the model itself otherwise."""
-    try:
-        from peft import PeftModel
-        from peft.tuners.tuners_utils import BaseTuner
-    except ImportError:  # pragma: no cover
-        return model
-    if isinstance(model, PeftModel):
-        return model.get_base_model()
-    if isinstance(model, BaseTuner):  # LoraModel & co.: the tuner around the transformers model
-        return model.model
-    return model
 
 
 def _positional(sig) -> tuple[str, ...]:

@@ -1,0 +1,108 @@
+"""The bound methods a patch puts in an instance's ``__dict__``, and how they survive pickling.
+
+A patched transformers model carries ``forward`` (or accelerate's ``_old_forward``) and
+``save_pretrained``; a PeftModel around it carries ``save_pretrained``.  They stay real bound
+methods of plain functions, because accelerate rewraps ``model.forward.__func__`` for autocast
+and rebinds it with ``MethodType`` when unwrapping.
+
+Pickle and ``copy`` would save a bound method as ``getattr(instance, name)`` and look it up while
+the instance is still empty: a load error, or worse, the class's unpatched forward.  So each holder
+also gets a ``__reduce_ex__`` that leaves these methods (and the card sections, which reference
+live callbacks) out of the state and re-installs them when the copy is built: ``torch.save(model)``
+and ``copy.deepcopy`` give a model that is patched the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+from torch import nn
+
+from .card import SECTIONS_ATTR, write_card
+from .config import write_adapter_config
+from .forward import STATE_ATTR, make_forward
+
+_REDUCE = "__reduce_ex__"
+_SETSTATE = "__setstate__"
+
+
+def unwrap(model) -> nn.Module:
+    """The transformers model inside a PeftModel (or LoraModel); the model itself otherwise."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.tuners_utils import BaseTuner
+    except ImportError:  # pragma: no cover
+        return model
+    if isinstance(model, PeftModel):
+        return model.get_base_model()
+    if isinstance(model, BaseTuner):  # LoraModel & co.: the tuner around the transformers model
+        return model.model
+    return model
+
+
+def bind_forward(model: nn.Module) -> None:
+    """Put the patched forward where the model's patch state says (``forward`` or ``_old_forward``)."""
+    state = model.__dict__[STATE_ATTR]
+    model.__dict__[state.attr] = types.MethodType(make_forward(state.signature, type(model)), model)
+
+
+def install(holder: nn.Module) -> None:
+    """Give ``holder`` the saving and pickling methods (those already there are kept)."""
+    for name, function in (("save_pretrained", _save_with_card), (_REDUCE, _reduce_ex)):
+        if name not in holder.__dict__:
+            holder.__dict__[name] = types.MethodType(function, holder)
+
+
+def remove(holder: nn.Module) -> None:
+    """Drop the saving and pickling methods ``install`` added (unpatch restores the forward)."""
+    for name in ("save_pretrained", _REDUCE, _SETSTATE):
+        if _is_ours(holder.__dict__.get(name)):
+            del holder.__dict__[name]
+
+
+def _is_ours(value) -> bool:
+    func = getattr(value, "__func__", None)
+    return func in (_save_with_card, _reduce_ex, _setstate) or getattr(func, "hf_mhce_patched", False)
+
+
+def _save_with_card(self, save_directory, *args, **kwargs):
+    """The class's save_pretrained, then the hf_mhce section of the model card (main process).
+
+    A PeftModel saves its adapters without the base's config.json, so the loss config goes beside
+    them in ``hf_mhce.json``, where ``from_pretrained`` of the adapter directory finds it.
+    """
+    result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    target = unwrap(self)
+    state = target.__dict__.get(STATE_ATTR)
+    if state is not None and kwargs.get("is_main_process", True):
+        write_card(target, state.config, os.fspath(save_directory))
+        if self is not target:
+            write_adapter_config(os.fspath(save_directory), state.config)
+    return result
+
+
+def _reduce_ex(self, protocol):
+    """What pickle and copy save: the class's own reduction, minus our methods and card sections,
+    rebuilt through ``_rebuild`` so the copy gets its own methods back."""
+    func, args, state, *rest = type(self).__reduce_ex__(self, protocol)
+    if not isinstance(state, dict):  # pragma: no cover - nn.Module always reduces to its __dict__
+        raise TypeError(f"cannot pickle a patched {type(self).__name__}: unexpected state {type(state)}")
+    state = {k: v for k, v in state.items() if k != SECTIONS_ATTR and not _is_ours(v)}
+    return (_rebuild, (func, args), state, *rest)
+
+
+def _rebuild(func, args):
+    """The class's reconstruction, with a one-shot ``__setstate__`` that re-installs our methods."""
+    obj = func(*args)
+    obj.__dict__[_SETSTATE] = types.MethodType(_setstate, obj)
+    return obj
+
+
+def _setstate(self, state):
+    del self.__dict__[_SETSTATE]
+    type(self).__setstate__(self, state)
+    if STATE_ATTR in self.__dict__:
+        bind_forward(self)
+    install(self)
+

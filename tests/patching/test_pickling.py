@@ -1,0 +1,123 @@
+"""A patched model survives torch.save / pickle / copy: the copy is patched the same way, on itself."""
+
+import copy
+import io
+import json
+import pickle
+
+import pytest
+import torch
+from patching_models import FAMILIES, batch, make_model
+from peft import LoraConfig, get_peft_model
+
+from hf_mhce.patching import add_card_section, apply_patch, is_patched, unpatch
+
+
+def _torch_roundtrip(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+ROUNDTRIPS = {
+    "torch.save": _torch_roundtrip,
+    "pickle": lambda m: pickle.loads(pickle.dumps(m)),
+    "pickle-protocol-0": lambda m: pickle.loads(pickle.dumps(m, protocol=0)),
+    "deepcopy": copy.deepcopy,
+}
+
+
+def _outputs(model, ids, labels):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids, labels=labels).loss, model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("how", list(ROUNDTRIPS))
+@pytest.mark.parametrize("family,loss,heads", [(f, "mhce", 4) for f in FAMILIES] + [("llama", "ce", 1)])
+def test_roundtrip_keeps_the_patch(how, family, loss, heads):
+    model = apply_patch(make_model(family), loss=loss, num_heads=heads, label_smoothing=0.1)
+    ids, labels = batch()
+    want_loss, want_logits = _outputs(model, ids, labels)
+
+    clone = ROUNDTRIPS[how](model)
+    assert is_patched(clone) and clone.config.hf_mhce == model.config.hf_mhce
+    assert clone.forward.__self__ is clone  # bound to the copy, not to the original
+    assert clone.save_pretrained.__self__ is clone
+    got_loss, got_logits = _outputs(clone, ids, labels)
+    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+
+    with torch.no_grad():  # the copy owns its weights: changing them leaves the original alone
+        clone.get_output_embeddings().weight.mul_(2)
+    torch.testing.assert_close(_outputs(model, ids, labels)[1], want_logits, rtol=0, atol=0)
+
+    original_class_logits = type(clone).forward(clone, input_ids=ids).logits  # unpatch works on the copy
+    unpatch(clone)
+    assert "forward" not in clone.__dict__ and not hasattr(clone.config, "hf_mhce")
+    torch.testing.assert_close(clone(input_ids=ids).logits, original_class_logits)
+
+
+def test_copies_of_copies_and_shallow_copy():
+    model = apply_patch(make_model("llama"), loss="mhce", num_heads=2)
+    ids, labels = batch()
+    want = _outputs(model, ids, labels)[0]
+    twice = _torch_roundtrip(copy.deepcopy(_torch_roundtrip(model)))
+    assert twice.forward.__self__ is twice
+    torch.testing.assert_close(_outputs(twice, ids, labels)[0], want, rtol=0, atol=0)
+    shallow = copy.copy(model)
+    assert shallow.forward.__self__ is shallow and is_patched(shallow)
+    # the pickled state carries no hf_mhce bound method: they are rebuilt on load
+    state = model.__reduce_ex__(4)[2]
+    assert not any(isinstance(v, type(model.forward)) for v in state.values())
+
+
+def test_card_sections_are_not_pickled_but_the_card_is_still_written(tmp_path):
+    model = apply_patch(make_model("gpt2"), loss="mhce", num_heads=2)
+    add_card_section(model, "Live section", lambda directory: "from a closure, which pickle cannot save")
+    clone = _torch_roundtrip(model)
+    clone.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "hf_mhce" in card and "from a closure" not in card
+    assert json.loads((tmp_path / "config.json").read_text())["hf_mhce"]["num_heads"] == 2
+
+
+def test_a_peft_model_with_lora_on_the_head_roundtrips(tmp_path):
+    base = make_model("llama")
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    apply_patch(peft_model, loss="mhce", num_heads=4)
+    ids, labels = batch()
+    want_loss, want_logits = _outputs(peft_model, ids, labels)
+
+    clone = _torch_roundtrip(peft_model)
+    assert is_patched(clone) and clone.save_pretrained.__self__ is clone
+    got_loss, got_logits = _outputs(clone, ids, labels)
+    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=0)
+    torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=0)
+    clone.save_pretrained(tmp_path)  # the PeftModel's own save still writes the loss config beside the adapter
+    assert json.loads((tmp_path / "hf_mhce.json").read_text())["num_heads"] == 4
+
+
+def test_accelerate_autocast_wraps_and_unwraps_our_forward():
+    """accelerate rewraps ``forward.__func__`` for mixed precision and rebinds it on unwrap."""
+    from accelerate import Accelerator
+
+    model = apply_patch(make_model("llama"), loss="mhce", num_heads=4)
+    ids, labels = batch()
+    want = model(input_ids=ids, labels=labels).loss
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    wrapped = accelerator.prepare(model)
+    with_autocast = wrapped(input_ids=ids, labels=labels).loss
+    assert with_autocast.dtype == torch.float32 and with_autocast != want  # bf16 decoder, fused loss
+    torch.testing.assert_close(with_autocast, want, rtol=2e-2, atol=0)
+
+    plain = accelerator.unwrap_model(wrapped, keep_fp32_wrapper=False)
+    assert getattr(plain.forward.__func__, "hf_mhce_patched", False) and plain.forward.__self__ is plain
+    torch.testing.assert_close(plain(input_ids=ids, labels=labels).loss, want, rtol=0, atol=0)
+    clone = pickle.loads(pickle.dumps(plain))
+    torch.testing.assert_close(clone(input_ids=ids, labels=labels).loss, want, rtol=0, atol=0)
