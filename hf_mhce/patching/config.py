@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from dataclasses import dataclass
+
+from ..losses.dispatch import BACKENDS
 
 CONFIG_KEY = "hf_mhce"
 # Beside a PEFT adapter saved alone (no config.json of its own): the loss config it was trained with.
@@ -59,16 +63,23 @@ class LossConfig:
             raise ValueError(f"num_heads must be a positive int, got {heads!r}")
         if self.loss == "ce" and heads != 1:
             raise ValueError(f"num_heads={heads} only applies to loss='mhce'; loss='ce' has a single head")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        if not 0.0 <= float(self.label_smoothing) <= 1.0:
+        for name in ("label_smoothing", "z_loss"):  # numbers, stored as floats (config.json stays typed)
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "ignore_index", int(self.ignore_index))
+        if not 0.0 <= self.label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
-        if not float(self.z_loss) >= 0.0:
-            raise ValueError(f"z_loss must be >= 0, got {self.z_loss}")
+        if not (self.z_loss >= 0.0 and math.isfinite(self.z_loss)):
+            raise ValueError(f"z_loss must be a finite number >= 0, got {self.z_loss}")
         if self.return_logits is not None and not isinstance(self.return_logits, bool):
             raise TypeError(f"return_logits must be a bool or None, got {self.return_logits!r}")
-        if self.backend is not None and not isinstance(self.backend, str):
-            raise TypeError(f"backend must be a string or None, got {self.backend!r}")
+        if self.backend is not None and (not isinstance(self.backend, str) or self.backend.lower() not in BACKENDS):
+            raise ValueError(f"backend must be one of {BACKENDS} or None (HF_MHCE_BACKEND, else 'auto'), "
+                             f"got {self.backend!r}")
 
     def to_saved(self) -> dict:
         """The dict stored under ``model.config.hf_mhce`` (JSON-serialisable)."""

@@ -1,5 +1,6 @@
 """Clear errors, and no [N, V] logits when a loss is asked for."""
 
+import numpy
 import pytest
 import torch
 from patching_models import batch, make_model
@@ -21,6 +22,17 @@ def test_unknown_loss_and_options():
         apply_patch(model, loss="ce", num_heads=4)
     with pytest.raises(ValueError, match="positive int"):
         apply_patch(model, loss="mhce", num_heads=0)
+    # every option is checked when it is given, not at the first forward
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'triton', 'torch'\).*'cuda'"):
+        apply_patch(model, backend="cuda")
+    with pytest.raises(TypeError, match="label_smoothing must be a number, got '0.1'"):
+        apply_patch(model, label_smoothing="0.1")
+    with pytest.raises(TypeError, match="z_loss must be a number"):
+        apply_patch(model, z_loss=True)
+    with pytest.raises(ValueError, match="z_loss must be a finite number"):
+        apply_patch(model, z_loss=float("inf"))
+    with pytest.raises(ValueError, match=r"label_smoothing must be in \[0, 1\], got nan"):
+        apply_patch(model, label_smoothing=float("nan"))
     assert "forward" not in model.__dict__ and not hasattr(model.config, "hf_mhce")  # nothing half-done
 
 
@@ -50,6 +62,10 @@ def test_config_dataclass_round_trip():
     saved = cfg.to_saved()
     assert "backend" not in saved and "return_logits" not in saved and saved["format"] == 1
     assert LossConfig.from_saved(saved) == LossConfig(loss="mhce", num_heads=4, z_loss=1e-4)
+    # numbers of other types (numpy's here) are stored as Python floats / ints; the backend's case is free
+    typed = LossConfig(label_smoothing=numpy.float32(0.25), z_loss=0, ignore_index=numpy.int64(-1), backend="Torch")
+    assert typed.to_saved() == {**LossConfig().to_saved(), "label_smoothing": 0.25, "z_loss": 0.0, "ignore_index": -1}
+    assert type(typed.label_smoothing) is float and type(typed.z_loss) is float and type(typed.ignore_index) is int
     # configs saved before return_logits became a runtime field still load (the key is ignored)
     assert LossConfig.from_saved({**saved, "return_logits": False}).return_logits is None
 
