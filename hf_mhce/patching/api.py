@@ -103,6 +103,7 @@ def from_pretrained(path_or_id, **kwargs):
     names = ("loss", "num_heads", "override_saved", *OPTION_NAMES)
     patch_kwargs = {k: kwargs.pop(k) for k in names if k in kwargs}
     path = os.fspath(path_or_id)
+    _check_not_an_adapter_parent(path)
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         from peft import AutoPeftModelForCausalLM
 
@@ -115,6 +116,17 @@ def from_pretrained(path_or_id, **kwargs):
 
     model = AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
     return apply_patch(model, **patch_kwargs)
+
+
+def _check_not_an_adapter_parent(path: str) -> None:
+    """PEFT saves adapters other than "default" in ``<dir>/<name>``: name them instead of failing in
+    transformers with "Unrecognized model"."""
+    if not os.path.isdir(path) or any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+        return
+    names = sorted(n for n in os.listdir(path) if os.path.isfile(os.path.join(path, n, "adapter_config.json")))
+    if names:
+        raise ValueError(f"{path} holds no model or adapter itself but PEFT adapters in the subdirectories {names}: "
+                         f"pass one of them, e.g. hf_mhce.from_pretrained({os.path.join(path, names[0])!r})")
 
 
 def _positional(sig) -> tuple[str, ...]:

@@ -61,11 +61,16 @@ def resolve_head(head: nn.Module) -> HeadParts:
             return resolve_head(head.original_module)
         return resolve_head(head.modules_to_save[head.active_adapters[0]])
     if LoraLayer and isinstance(head, LoraLayer) and hasattr(head, "lora_A"):
+        if not all(isinstance(m, nn.Linear) for m in head.lora_A.values()):  # e.g. AdaLoRA's SVD factors
+            raise UnsupportedHeadError(
+                f"the LM head is wrapped by {type(head).__module__}.{type(head).__qualname__}, a LoRA layer whose "
+                "factors are not nn.Linear modules (AdaLoRA and the like); the fused loss folds in plain LoRA only"
+            )
         return _resolve_lora(head)
     if BaseTunerLayer and isinstance(head, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
         raise UnsupportedHeadError(
-            f"the LM head is wrapped by {type(head).__name__}; with the fused loss only LoRA (without "
-            "variants such as DoRA) and modules_to_save are supported on the head"
+            f"the LM head is wrapped by {type(head).__module__}.{type(head).__qualname__}; with the fused loss "
+            "only LoRA (without variants such as DoRA) and modules_to_save are supported on the head"
         )
     if isinstance(head, nn.Linear):
         return HeadParts(head.weight, head.bias)

@@ -70,15 +70,20 @@ def _save_with_card(self, save_directory, *args, **kwargs):
     """The class's save_pretrained, then the hf_mhce section of the model card (main process).
 
     A PeftModel saves its adapters without the base's config.json, so the loss config goes beside
-    them in ``hf_mhce.json``, where ``from_pretrained`` of the adapter directory finds it.
+    each of them in ``hf_mhce.json``, where ``from_pretrained`` of the adapter directory finds it:
+    the "default" adapter in ``save_directory``, any other one in ``save_directory/<name>`` (PEFT's layout).
     """
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     target = unwrap(self)
     state = target.__dict__.get(STATE_ATTR)
     if state is not None and kwargs.get("is_main_process", True):
-        write_card(target, state.config, os.fspath(save_directory))
+        directory = os.fspath(save_directory)
+        write_card(target, state.config, directory)
         if self is not target:
-            write_adapter_config(os.fspath(save_directory), state.config)
+            names = getattr(self, "peft_config", {})
+            for adapter_dir in {directory, *(os.path.join(directory, n) for n in names if n != "default")}:
+                if os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
+                    write_adapter_config(adapter_dir, state.config)
     return result
 
 

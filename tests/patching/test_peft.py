@@ -151,6 +151,23 @@ def test_peft_generate_and_unsupported_head_variant():
         apply_patch(dora)
 
 
+def test_other_tuners_on_the_head_are_refused_by_name():
+    """Tuners whose head is not base + plain LoRA are refused when patched (never ignored, never a crash
+    inside the forward): AdaLoRA subclasses LoraLayer but keeps SVD factors as Parameters."""
+    from peft import AdaLoraConfig, IA3Config
+
+    adalora = AdaLoraConfig(init_r=4, target_r=2, target_modules=["lm_head"], total_step=10)
+    ia3 = IA3Config(target_modules=["lm_head"], feedforward_modules=["lm_head"])
+    for config, name in ((adalora, r"peft\.tuners\.adalora\.layer\.SVDLinear.*plain LoRA only"),
+                         (ia3, r"peft\.tuners\.ia3\.layer\.Linear")):
+        with pytest.raises(UnsupportedModelError, match=name):
+            apply_patch(get_peft_model(make_model("llama"), config))
+        patched_first = apply_patch(make_model("llama"))
+        wrapped = get_peft_model(patched_first, config)
+        with pytest.raises(TypeError, match=name):  # UnsupportedHeadError, at the first forward
+            wrapped(input_ids=batch()[0], labels=batch()[1])
+
+
 def _saved_base(tmp_path, family="llama"):
     """A base checkpoint on disk, loaded back, so that an adapter records where its base is."""
     from transformers import AutoModelForCausalLM
@@ -188,6 +205,28 @@ def test_adapter_saved_alone_keeps_its_loss(tmp_path, targets):
     assert hf_mhce.from_pretrained(tmp_path / "plain_adapter").get_base_model().config.hf_mhce["loss"] == "ce"
     with pytest.raises(ValueError, match="override_saved"):  # the adapter's record guards like config.json's
         hf_mhce.from_pretrained(tmp_path / "adapter", loss="ce")
+
+
+def test_named_adapters_each_keep_the_loss(tmp_path):
+    """PEFT saves an adapter not named "default" in <dir>/<name>: hf_mhce.json goes there too (was: in <dir>
+    only, so loading <dir>/<name> silently gave CE), and <dir> itself gets an error that names them."""
+    import hf_mhce
+
+    base = _saved_base(tmp_path)
+    torch.manual_seed(1)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), adapter_name="code")
+    model.add_adapter("chat", LoraConfig(r=2, target_modules=["v_proj"]))
+    apply_patch(model, loss="mhce", num_heads=4).eval()
+    model.save_pretrained(tmp_path / "adapters")
+    ids, labels = batch()
+    for name in ("code", "chat"):
+        model.set_adapter(name)
+        loaded = hf_mhce.from_pretrained(tmp_path / "adapters" / name).eval()
+        assert loaded.get_base_model().config.hf_mhce["num_heads"] == 4
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
+    with pytest.raises(ValueError, match=r"PEFT adapters in the subdirectories \['chat', 'code'\]"):
+        hf_mhce.from_pretrained(tmp_path / "adapters")
 
 
 def test_patched_before_get_peft_model_warns_until_the_peft_model_is_patched(tmp_path):
