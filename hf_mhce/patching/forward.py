@@ -14,6 +14,7 @@ Trainer see the same parameters), its output type, and the family's logit facts.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import threading
@@ -28,7 +29,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
 from .config import LossConfig
 from .families import LogitFacts, logit_transform
-from .head import fused_operands, resolve_head
+from .head import fused_operands, mixed_batch_adapters, resolve_head
 from .sharding import call_through
 
 STATE_ATTR = "_hf_mhce_patch"
@@ -199,13 +200,27 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
     options = dict(ignore_index=ignore_index, num_items_in_batch=num_items_in_batch,
                    label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, softcap=softcap, backend=cfg.backend)
 
-    def fused(hidden, shift_labels):  # reads the head inside the head's call: see sharding.py
-        x, w, b, low_rank = fused_operands(resolve_head(head), hidden, cfg.num_heads, scale)
+    def fused(hidden, shift_labels, adapter=None):  # reads the head inside the head's call: see sharding.py
+        x, w, b, low_rank = fused_operands(resolve_head(head, adapter), hidden, cfg.num_heads, scale)
         if cfg.loss == "mhce":
             return multi_head_cross_entropy(x, w, shift_labels, cfg.num_heads, bias=b, low_rank=low_rank, **options)
         return linear_cross_entropy(x, w, shift_labels, bias=b, low_rank=low_rank, **options)
 
-    return call_through(head, fused, hidden, shift_labels)
+    names = mixed_batch_adapters(head)
+    if names is None:
+        return call_through(head, fused, hidden, shift_labels)
+    if num_items_in_batch is None:  # each row group's sum over the whole batch's count adds up to the mean
+        options["num_items_in_batch"] = (shift_labels != ignore_index).sum().clamp_min(1)
+    return sum(call_through(head, functools.partial(fused, adapter=name), hidden[rows], shift_labels[rows])
+               for name, rows in _adapter_groups(names, hidden))
+
+
+def _adapter_groups(names, hidden):
+    """(adapter name, row indices) of a PEFT mixed-adapter batch, in order of first appearance."""
+    if len(names) != hidden.shape[0]:
+        raise ValueError(f"adapter_names has {len(names)} entries for a batch of {hidden.shape[0]} rows")
+    for name in dict.fromkeys(names):
+        yield name, torch.tensor([i for i, n in enumerate(names) if n == name], device=hidden.device)
 
 
 def _logits(model, state, hidden):
@@ -216,12 +231,20 @@ def _logits(model, state, hidden):
     if cfg.loss == "mhce":
         scale = (multiply or 1.0) / (divide or 1.0)
 
-        def mixture(hidden):
-            x, w, b, low_rank = fused_operands(resolve_head(head), hidden, cfg.num_heads, scale)
+        def mixture(hidden, adapter=None):
+            x, w, b, low_rank = fused_operands(resolve_head(head, adapter), hidden, cfg.num_heads, scale)
             return multi_head_logprobs(x, w, cfg.num_heads, bias=b, softcap=softcap, low_rank=low_rank)
 
-        return call_through(head, mixture, hidden)
-    logits = head(hidden)  # the module itself: every PEFT wrapper behaves as in the original
+        names = mixed_batch_adapters(head)
+        if names is None:
+            return call_through(head, mixture, hidden)
+        out = None
+        for name, rows in _adapter_groups(names, hidden):
+            part = call_through(head, functools.partial(mixture, adapter=name), hidden[rows])
+            out = part.new_empty(*hidden.shape[:-1], part.shape[-1]) if out is None else out
+            out[rows] = part
+        return out
+    logits = head(hidden)  # the module itself: every PEFT wrapper (mixed-adapter batches too) behaves as in the original
     if multiply is not None:
         logits = logits * multiply
     if divide is not None:

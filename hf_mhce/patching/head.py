@@ -53,20 +53,25 @@ class HeadParts:
     adapters: list[Adapter] = field(default_factory=list)
 
 
-def resolve_head(head: nn.Module) -> HeadParts:
-    """Base weight, bias and active LoRA adapters of the head module, following PEFT's forward."""
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
+
+
+def resolve_head(head: nn.Module, adapter: str | None = None) -> HeadParts:
+    """Base weight, bias and active LoRA adapters of the head module, following PEFT's forward;
+    ``adapter`` (a name from ``mixed_batch_adapters``) stands in for the active adapters."""
     if ModulesToSaveWrapper and isinstance(head, ModulesToSaveWrapper):
         # PEFT trains a copy; the original is used only while adapters are disabled.
-        if head.disable_adapters or not head.active_adapters:
+        active = head.active_adapters if adapter is None else [adapter]
+        if head.disable_adapters or not active or active[0] not in head.modules_to_save:
             return resolve_head(head.original_module)
-        return resolve_head(head.modules_to_save[head.active_adapters[0]])
+        return resolve_head(head.modules_to_save[active[0]])
     if LoraLayer and isinstance(head, LoraLayer) and hasattr(head, "lora_A"):
         if not all(isinstance(m, nn.Linear) for m in head.lora_A.values()):  # e.g. AdaLoRA's SVD factors
             raise UnsupportedHeadError(
                 f"the LM head is wrapped by {type(head).__module__}.{type(head).__qualname__}, a LoRA layer whose "
                 "factors are not nn.Linear modules (AdaLoRA and the like); the fused loss folds in plain LoRA only"
             )
-        return _resolve_lora(head)
+        return _resolve_lora(head, adapter)
     if BaseTunerLayer and isinstance(head, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
         raise UnsupportedHeadError(
             f"the LM head is wrapped by {type(head).__module__}.{type(head).__qualname__}; with the fused loss "
@@ -80,16 +85,16 @@ def resolve_head(head: nn.Module) -> HeadParts:
     )
 
 
-def _resolve_lora(layer) -> HeadParts:
+def _resolve_lora(layer, adapter: str | None = None) -> HeadParts:
     if layer.disable_adapters and layer.merged:
         layer.unmerge()  # what PEFT's forward does before running the base layer alone
-    parts = resolve_head(layer.base_layer)
+    parts = resolve_head(layer.base_layer, adapter)
     if layer.disable_adapters or layer.merged:
         return parts
     if getattr(layer, "fan_in_fan_out", False):
         raise UnsupportedHeadError("LoRA with fan_in_fan_out=True (Conv1D heads) is not supported on the LM head")
     adapters = list(parts.adapters)
-    for name in layer.active_adapters:
+    for name in layer.active_adapters if adapter is None else [adapter]:
         if name not in layer.lora_A:
             continue
         if name in getattr(layer, "lora_variant", {}):
@@ -100,6 +105,18 @@ def _resolve_lora(layer) -> HeadParts:
             )
         adapters.append(Adapter(layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name], layer.scaling[name]))
     return HeadParts(parts.weight, parts.bias, adapters)
+
+
+def mixed_batch_adapters(head: nn.Module) -> list[str] | None:
+    """The per-row adapter names of a PEFT mixed-adapter batch (``model(..., adapter_names=[...])``),
+    or None.  PEFT hands them to its layers in a forward pre-hook, which the fused ops, reading the
+    weights instead of calling the head, would bypass: the caller must split the batch by them."""
+    for module in head.modules():
+        for hook in module._forward_pre_hooks.values():
+            names = getattr(hook, "keywords", {}).get("adapter_names")  # functools.partial(..., adapter_names=)
+            if names is not None:
+                return list(names)
+    return None
 
 
 def fused_operands(parts: HeadParts, hidden: torch.Tensor, num_heads: int, scale: float | None = None):

@@ -1,5 +1,7 @@
 """PEFT: LoRA on attention/MLP, LoRA on lm_head (exact A/B gradients), modules_to_save."""
 
+import contextlib
+
 import pytest
 import torch
 from patching_models import assert_grads_close, batch, grads, make_model, mixture_logprobs_reference
@@ -256,3 +258,45 @@ def test_patched_before_get_peft_model_warns_until_the_peft_model_is_patched(tmp
     loaded = hf_mhce.from_pretrained(tmp_path / "kept")
     assert loaded.get_base_model().config.hf_mhce["loss"] == "mhce"
     assert loaded.get_base_model().config.hf_mhce["num_heads"] == 2
+
+
+@pytest.mark.parametrize("loss,heads", [("ce", 1), ("mhce", 4)])
+def test_mixed_adapter_batch_routes_each_row_through_its_adapter(loss, heads):
+    """model(..., adapter_names=[...]) (PEFT's mixed-adapter inference) reaches LoRA layers through a
+    forward pre-hook, which the fused ops, reading the head's weights, would bypass: each row group is
+    now computed with its own adapter (was: the active adapter for every row, a silently wrong loss)."""
+    def build():
+        torch.manual_seed(1)
+        model = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
+                               adapter_name="one")
+        model.add_adapter("two", LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj", "lm_head"]))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.2)
+        return model.eval()
+
+    names = ["two", "__base__", "one"]
+    ids, labels = batch(batch_size=3)
+    model = apply_patch(build(), loss=loss, num_heads=heads)
+    with torch.no_grad():
+        mixed = model(input_ids=ids, labels=labels, adapter_names=names).loss
+        logits = model(input_ids=ids, adapter_names=names).logits
+        active_only = model(input_ids=ids, labels=labels).loss  # what the bypassed hook used to give
+        row_sums, row_logits = [], []
+        for i, name in enumerate(names):  # each row alone, with its adapter active
+            with contextlib.ExitStack() as stack:
+                if name == "__base__":
+                    stack.enter_context(model.disable_adapter())
+                else:
+                    model.set_adapter(name)
+                row = dict(input_ids=ids[i:i + 1])
+                row_sums.append(model(**row, labels=labels[i:i + 1], num_items_in_batch=1).loss)
+                row_logits.append(model(**row).logits)
+        count = (labels[:, 1:] != -100).sum()
+        torch.testing.assert_close(mixed, sum(row_sums) / count, rtol=1e-5, atol=0)
+        torch.testing.assert_close(logits, torch.cat(row_logits), rtol=1e-5, atol=1e-6)
+        assert abs(mixed - active_only) > 1e-3  # the test can tell the routing apart
+        if loss == "ce":  # and the unpatched PEFT model agrees
+            ref = build()
+            torch.testing.assert_close(mixed, ref(input_ids=ids, labels=labels, adapter_names=names).loss)
