@@ -123,7 +123,8 @@ def pretrain(example, model_args, data_args, loss_args, training_args) -> tuple[
 
     path = os.path.join(example.out, "pretrained")
     loss = loss_args.loss or ("mhce" if loss_args.num_heads is None or loss_args.num_heads > 1 else "ce")
-    argv = ["--output_dir", path, "--loss", loss, "--num_heads", str(loss_args.num_heads or 4),
+    heads = ["--num_heads", str(loss_args.num_heads or 4)] if loss == "mhce" else []
+    argv = ["--output_dir", path, "--loss", loss, *heads,
             "--vocab_size", str(model_args.vocab_size), "--hidden_size", str(model_args.hidden_size),
             "--num_hidden_layers", str(model_args.num_hidden_layers),
             "--num_attention_heads", str(model_args.num_attention_heads),

@@ -40,8 +40,10 @@ class DataArguments:
 
 @dataclass
 class LossArguments:
-    loss: str = field(default="mhce", metadata={"help": "ce or mhce"})
-    num_heads: int = field(default=4, metadata={"help": "MHCE heads (must divide the hidden size)"})
+    loss: str | None = field(default=None, metadata={
+        "help": "ce or mhce; default: the loss saved in --model's checkpoint, else mhce", "choices": ["ce", "mhce"]})
+    num_heads: int | None = field(default=None, metadata={
+        "help": "MHCE heads (must divide the hidden size); default: the checkpoint's, else 4"})
     label_smoothing: float = field(default=0.0, metadata={
         "help": "in the fused loss (--label_smoothing_factor is routed here)"})
     z_loss: float = 0.0
@@ -82,6 +84,25 @@ class TrainArguments(TrainingArguments):
 
 
 ALL_ARGUMENTS = (ModelArguments, DataArguments, LossArguments, LoraArguments, TrainArguments)
+FRESH_MODEL_LOSS = ("mhce", 4)  # --loss / --num_heads when no checkpoint says otherwise
+
+
+def check_arguments(model_args, loss_args, lora_args) -> None:
+    """Refuse inconsistent options before any data is read or tokenizer trained."""
+    from ..patching import LossConfig
+
+    if lora_args.lora_r > 0 and not model_args.model:
+        raise ValueError("--lora_r adapts a pretrained model: give its checkpoint with --model (without one the base "
+                         "is a random Llama that is never saved, so the adapter could not be loaded again)")
+    loss = loss_args.loss or (None if model_args.model else FRESH_MODEL_LOSS[0])
+    heads = loss_args.num_heads
+    if heads is None and loss == "mhce" and not model_args.model:
+        heads = FRESH_MODEL_LOSS[1]
+    if loss is not None:  # what can be checked before a checkpoint is read
+        LossConfig(loss=loss, num_heads=1 if heads is None else heads,
+                   label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
+    if not model_args.model and loss == "mhce" and model_args.hidden_size % heads:
+        raise ValueError(f"--num_heads {heads} does not divide --hidden_size {model_args.hidden_size}")
 
 
 def fuse_label_smoothing(loss_args, training_args) -> None:

@@ -16,7 +16,7 @@ import torch
 from .. import patching
 from ..rbe import RBECallback
 from . import corpus
-from .arguments import fuse_label_smoothing
+from .arguments import FRESH_MODEL_LOSS, check_arguments, fuse_label_smoothing
 
 
 def build_tokenizer(model_args, texts):
@@ -46,9 +46,18 @@ def build_model(model_args, loss_args, tokenizer):
             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
         )
         model = LlamaForCausalLM(config)
-    num_heads = loss_args.num_heads if loss_args.loss == "mhce" else None
-    return patching.apply_patch(model, loss=loss_args.loss, num_heads=num_heads, override_saved=loss_args.override_saved,
-                                label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
+    loss, num_heads = loss_args.loss, loss_args.num_heads  # None: the checkpoint's (apply_patch keeps it)
+    if not model_args.model:
+        loss = loss or FRESH_MODEL_LOSS[0]
+        num_heads = num_heads or (FRESH_MODEL_LOSS[1] if loss == "mhce" else None)
+    try:
+        return patching.apply_patch(model, loss=loss, num_heads=num_heads, override_saved=loss_args.override_saved,
+                                    label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
+    except ValueError as err:
+        if "override_saved" not in str(err):
+            raise
+        raise ValueError(f"{err} (hf-mhce train: --override_saved, or leave out --loss / --num_heads to keep "
+                         "the checkpoint's)") from None
 
 
 def add_lora(model, lora_args):
@@ -91,6 +100,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     from transformers import Trainer, default_data_collator, set_seed
 
     started = time.time()
+    check_arguments(model_args, loss_args, lora_args)
     fuse_label_smoothing(loss_args, training_args)
     set_seed(training_args.seed)
     train_texts, eval_texts = build_datasets(data_args)
@@ -101,6 +111,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
                for name, texts in eval_texts.items()}
     model = add_lora(build_model(model_args, loss_args, tokenizer), lora_args)
     n_params = sum(p.numel() for p in model.parameters())
+    patching_config = model.get_base_model().config.hf_mhce if lora_args.lora_r > 0 else model.config.hf_mhce
     rbe = RBECallback(plot=loss_args.rbe_plots)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                       data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
@@ -110,7 +121,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     tokenizer.save_pretrained(training_args.output_dir)
     sample = generate_sample(trainer.model, tokenizer, loss_args.sample_prompt, loss_args.sample_tokens)
     summary = {
-        "loss": loss_args.loss, "num_heads": loss_args.num_heads if loss_args.loss == "mhce" else 1,
+        **{k: patching_config[k] for k in ("loss", "num_heads")},
         "parameters": n_params, "train_tokens": len(train_ds) * block, "train": train_output.metrics,
         "final_eval": final, "rbe_history": rbe.history, "sample": sample,
         "wall_seconds": round(time.time() - started, 1),

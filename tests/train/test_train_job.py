@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 def test_parse_defaults_and_config_file(tmp_path):
     model_args, data_args, loss_args, lora_args, train_args = parse([])
-    assert (loss_args.loss, loss_args.num_heads) == ("mhce", 4)
+    assert (loss_args.loss, loss_args.num_heads) == (None, None)  # the checkpoint's, else FRESH_MODEL_LOSS
     assert data_args.dataset is None and model_args.model is None and train_args.eval_strategy == "steps"
     cfg = tmp_path / "job.json"
     cfg.write_text(json.dumps({"loss": "ce", "max_steps": 7, "output_dir": str(tmp_path / "o")}))
@@ -67,17 +68,61 @@ def test_embedded_mhce_run_writes_everything(tmp_path, capsys):
     assert reloaded.config.hf_mhce["loss"] == "mhce" and reloaded.config.hf_mhce["num_heads"] == 4
 
 
+def _tiny_checkpoint(path, texts):
+    """A small random Llama and a BPE tokenizer saved where --model can read them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_mhce.train.corpus import train_tokenizer
+
+    tokenizer = train_tokenizer(texts, 300)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=4)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def test_text_file_dataset_ce_with_lora(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}" for i in range(400)))
+    base = _tiny_checkpoint(tmp_path / "base", text.read_text().splitlines())
     out_dir = tmp_path / "lora"
-    summary = hf_mhce.train.main(REDUCED + ["--output_dir", str(out_dir), "--dataset", str(text), "--loss", "ce",
+    summary = hf_mhce.train.main(REDUCED + ["--model", base, "--output_dir", str(out_dir), "--dataset", str(text), "--loss", "ce",
                                             "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj,lm_head",
                                             "--label_smoothing_factor", "0.05"])
     assert "eval_eval_rbe_error_entropy" in summary["final_eval"]
     assert summary["loss"] == "ce"
     saved = json.loads((out_dir / "hf_mhce.json").read_text())  # beside the adapter
     assert saved["label_smoothing"] == 0.05  # the Trainer's smoothing went to the fused loss
+    assert hf_mhce.patching.is_patched(hf_mhce.from_pretrained(out_dir))  # base found through the adapter
+
+
+def test_options_are_checked_before_any_data_is_read(tmp_path, monkeypatch):
+    from hf_mhce.train import job
+
+    monkeypatch.setattr(job, "build_datasets", lambda *_: pytest.fail("data read before the options were checked"))
+    cases = [(["--lora_r", "4"], "--lora_r adapts a pretrained model: give its checkpoint with --model"),
+             (["--loss", "ce", "--num_heads", "4"], "num_heads=4 only applies to loss='mhce'"),
+             (["--num_heads", "3"], "--num_heads 3 does not divide --hidden_size 32"),
+             (["--z_loss", "-1"], "z_loss must be a finite number >= 0")]
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            hf_mhce.train.main(REDUCED + ["--output_dir", str(tmp_path / "o"), *extra])
+    with pytest.raises(SystemExit):  # argparse's "invalid choice", at once
+        parse(["--loss", "focal"])
+
+
+def test_a_checkpoint_keeps_its_loss_unless_asked(tmp_path):
+    """--model without --loss / --num_heads continues with the checkpoint's loss; a different one needs
+    --override_saved, and the error says so in the CLI's words."""
+    first = hf_mhce.train.main(REDUCED + ["--output_dir", str(tmp_path / "a"), "--num_heads", "2", "--max_steps", "2",
+                                          "--eval_steps", "2"])
+    assert (first["loss"], first["num_heads"]) == ("mhce", 2)
+    again = hf_mhce.train.main(REDUCED + ["--model", str(tmp_path / "a"), "--output_dir", str(tmp_path / "b"),
+                                          "--max_steps", "2", "--eval_steps", "2"])
+    assert (again["loss"], again["num_heads"]) == ("mhce", 2)
+    with pytest.raises(ValueError, match="--override_saved, or leave out --loss / --num_heads"):
+        hf_mhce.train.main(REDUCED + ["--model", str(tmp_path / "a"), "--output_dir", str(tmp_path / "c"),
+                                      "--num_heads", "4"])
 
 
 def test_label_smoothing_factor_goes_to_the_fused_loss():
