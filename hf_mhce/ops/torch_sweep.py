@@ -128,12 +128,13 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     """Per-head logsumexp, target logit, optional logit sum and optional target ranks.
 
     ``labels`` [N] int64, -1 for ignored tokens (their statistics are computed but unused).
-    The target logits are formed before the sweep, one dot product per token and head, so that
-    the one-head rank (entries j != t with y_j > y_t, compared in float32) is counted in the
-    same pass.  Under several heads the rank is taken under the mixture, whose per-entry
-    log-probabilities need every head's logsumexp: a second sweep.  Ties are decided on the
-    float32 values: entries whose logits equal the target's exactly (e.g. duplicated rows with
-    exact products) rank below it; values equal only up to rounding may fall either side.
+    The target logits are formed before the sweep, by matmuls that round like the sweep's blocks
+    (``target_logits``), so that the one-head rank (entries j != t with y_j > y_t, compared in
+    float32) is counted in the same pass.  Under several heads the rank is taken under the
+    mixture, whose per-entry log-probabilities need every head's logsumexp: a second sweep.
+    Ties are decided on the float32 values: entries whose logits equal the target's exactly (a
+    duplicated weight row, or exact products) rank below it; values equal only up to rounding
+    may fall either side.
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     target = target_logits(pb, labels)
@@ -143,18 +144,28 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     return SweepStats(lse, target, logit_sum, ranks)
 
 
+_TARGET_ROWS = 256  # rows per target block: its [H, m, m] products cost m / V of a sweep
+
+
 def target_logits(pb: _Problem, labels):
+    """[N, H] target logits, computed as a matmul like the sweep's blocks (then the same low-rank, bias and
+    softcap steps), not as a separate dot product: the two round alike, so a weight row equal to the
+    target's gives an exactly equal logit, a tie in the target's favour as in one full logits matmul."""
     out = torch.empty(pb.n, pb.h, dtype=pb.cdt, device=pb.x.device)
-    for n0, n1 in _blocks(pb.n, pb.rows):
+    for n0, n1 in _blocks(pb.n, max(16, min(_TARGET_ROWS, pb.v))):
         t = labels[n0:n1].clamp_min(0)
-        xt = pb.x[n0:n1].to(pb.cdt).view(n1 - n0, pb.h, pb.dh)
-        wt = pb.w[t].to(pb.cdt).view(n1 - n0, pb.h, pb.dh)
-        z = (xt * wt).sum(-1)
+        wt = pb.w[t].to(pb.cdt).view(n1 - n0, pb.h, pb.dh).permute(1, 2, 0)  # [H, Dh, m]: targets as columns
+        # [H, m, m]; its diagonal is what the sweep computes for the targets
+        y = torch.matmul(pb.hidden_chunk(n0, n1), wt, out=pb.scratch("target", pb.h, n1 - n0, n1 - n0))
         if pb.u is not None:
-            z = z + (pb.u[n0:n1].to(pb.cdt) * pb.b[t].to(pb.cdt)[:, None, :]).sum(-1)
+            bt = pb.b[t].to(pb.cdt).T
+            y.baddbmm_(pb.u[n0:n1].to(pb.cdt).transpose(0, 1), bt.expand(pb.h, *bt.shape))
+        z = y.diagonal(dim1=1, dim2=2).T.contiguous()  # [m, H]
         if pb.bias is not None:
-            z = z + pb.bias[t].to(pb.cdt)[:, None]
-        out[n0:n1] = z if pb.softcap is None else pb.softcap * torch.tanh(z / pb.softcap)
+            z += pb.bias[t].to(pb.cdt)[:, None]
+        if pb.softcap is not None:
+            z.div_(pb.softcap).tanh_().mul_(pb.softcap)
+        out[n0:n1] = z
     return out
 
 

@@ -85,6 +85,41 @@ def test_ranks_on_real_valued_logits(backend, heads):
     assert torch.equal(stats.ranks, brute_force_ranks(x, w, None, labels, heads))
 
 
+@pytest.mark.parametrize("heads", [1, 4])
+@pytest.mark.parametrize("low_rank,bias,softcap", [(False, False, None), (True, True, 20.0)])
+def test_torch_ranks_with_duplicated_real_valued_rows(heads, low_rank, bias, softcap):
+    """Rows equal to the target's row are exact ties in one full logits matmul; the torch sweep forms the
+    target logits by matmuls that round like its blocks, so they are ties there too (a separate dot
+    product rounds differently and put about half of them above the target).  Random real values over
+    several vocabulary and token blocks, with the low-rank term, bias and softcap the sweep applies."""
+    g = torch.Generator().manual_seed(3 + heads)
+    n, v, d, r = 300, 1500, 64, 4
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) / math.sqrt(d)
+    labels = torch.randint(0, v - 1, (n,), generator=g)
+    w[labels + 1] = w[labels]  # each target's row also at the next index (chains included)
+    lr = (torch.randn(n, heads, r, generator=g) / 4, torch.randn(v, r, generator=g) / 4) if low_rank else None
+    if low_rank:
+        lr[1][labels + 1] = lr[1][labels]
+    b = torch.randn(v, generator=g) if bias else None
+    if bias:
+        b[labels + 1] = b[labels]
+    stats = torch_sweep.forward_stats(x, w, b, labels, heads, softcap, False, need_ranks=True, low_rank=lr)
+
+    dh = d // heads  # float64 reference: duplicated rows give equal logits exactly
+    y = torch.einsum("nhd,vhd->nhv", x.double().view(n, heads, dh), w.double().view(v, heads, dh))
+    if low_rank:
+        y = y + torch.einsum("nhr,vr->nhv", lr[0].double(), lr[1].double())
+    if bias:
+        y = y + b.double()
+    if softcap:
+        y = softcap * torch.tanh(y / softcap)
+    logp = torch.logsumexp(y - y.logsumexp(-1, keepdim=True), dim=1)
+    above = logp > logp.gather(1, labels[:, None])
+    above[torch.arange(n), labels] = False
+    assert torch.equal(stats.ranks, above.sum(-1))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ranks_ignore_invalid_and_match_softcap(backend):
     g = torch.Generator().manual_seed(7)
