@@ -15,6 +15,9 @@ def load_texts(path_or_name: str, split: str = "test", config: str | None = None
     if os.path.isdir(path_or_name) and os.path.exists(os.path.join(path_or_name, "dataset_info.json")):
         ds = datasets.load_from_disk(path_or_name)
         return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+    if os.path.isdir(path_or_name) and not _has_data_files(path_or_name):
+        raise ValueError(f"{path_or_name!r} is a directory but neither a saved dataset (datasets' save_to_disk) nor "
+                         f"a folder of data files ({', '.join(sorted(_FILE_TYPES))})")
     ext = os.path.splitext(path_or_name)[1].lower()
     if os.path.isfile(path_or_name) and ext in _FILE_TYPES:
         return datasets.load_dataset(_FILE_TYPES[ext], data_files=path_or_name, split="train")
@@ -24,6 +27,11 @@ def load_texts(path_or_name: str, split: str = "test", config: str | None = None
             raise ValueError(f"dataset {path_or_name!r} has splits {list(ds)}, not {split!r} (use --split)")
         return ds[split]
     return ds
+
+
+def _has_data_files(directory: str) -> bool:
+    known = (*_FILE_TYPES, ".arrow", ".py")  # what datasets' folder loader (or a loading script) reads
+    return any(os.path.splitext(f)[1].lower() in known for _, _, files in os.walk(directory) for f in files)
 
 
 def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int = 256) -> list[dict]:

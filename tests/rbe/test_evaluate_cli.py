@@ -219,3 +219,15 @@ def test_evaluate_through_data_parallel_wrapper():
     wrapped = evaluate(torch.nn.DataParallel(model), rows, batch_size=3)
     _check_against_reference(wrapped, model, rows, loss="mhce", num_heads=2)
     assert wrapped.as_dict() == evaluate(model, rows, batch_size=3).as_dict()
+
+
+def test_a_directory_without_data_is_named(tmp_path):
+    from hf_mhce.rbe.data import load_texts
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "README.md").write_text("not data")
+    with pytest.raises(ValueError, match="is a directory but neither a saved dataset .* nor a folder of data files"):
+        load_texts(str(tmp_path / "notes"))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("one line\nanother line\n")
+    assert load_texts(str(tmp_path / "texts"), split="train")["text"] == ["one line", "another line"]
