@@ -152,7 +152,7 @@ def target_logits(pb: _Problem, labels):
     softcap steps), not as a separate dot product: the two round alike, so a weight row equal to the
     target's gives an exactly equal logit, a tie in the target's favour as in one full logits matmul."""
     out = torch.empty(pb.n, pb.h, dtype=pb.cdt, device=pb.x.device)
-    for n0, n1 in _blocks(pb.n, max(16, min(_TARGET_ROWS, pb.v))):
+    for n0, n1 in _blocks(pb.n, min(_TARGET_ROWS, pb.rows, pb.cols)):  # [H, m, m] within a block's budget
         t = labels[n0:n1].clamp_min(0)
         wt = pb.w[t].to(pb.cdt).view(n1 - n0, pb.h, pb.dh).permute(1, 2, 0)  # [H, Dh, m]: targets as columns
         # [H, m, m]; its diagonal is what the sweep computes for the targets
