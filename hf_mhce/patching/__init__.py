@@ -10,7 +10,7 @@ save_pretrained / from_pretrained.
 """
 
 from .api import add_card_section, apply_patch, from_pretrained, is_patched, unpatch
-from .config import CONFIG_KEY, LOSSES, LossConfig
+from .config import CONFIG_KEY, LOSSES, LossConfig, SavedLossMismatchError
 from .families import FAMILIES, TESTED_FAMILIES, LogitFacts, UnsupportedModelError
 from .head import UnsupportedHeadError
 
@@ -21,6 +21,7 @@ __all__ = [
     "is_patched",
     "add_card_section",
     "LossConfig",
+    "SavedLossMismatchError",
     "CONFIG_KEY",
     "LOSSES",
     "FAMILIES",

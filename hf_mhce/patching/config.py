@@ -31,6 +31,10 @@ IDENTITY_FIELDS = ("loss", "num_heads")
 RUNTIME_FIELDS = ("backend", "return_logits")
 
 
+class SavedLossMismatchError(ValueError):
+    """apply_patch asked for a loss / num_heads other than the one the model's config records."""
+
+
 @dataclass(frozen=True)
 class LossConfig:
     """Loss of a patched causal LM.
@@ -152,7 +156,7 @@ def resolve_config(
         was = (recorded.loss, recorded.num_heads)
         now = (cfg.loss, cfg.num_heads)
         if was != now:
-            raise ValueError(
+            raise SavedLossMismatchError(
                 f"this model's config records {CONFIG_KEY}: loss={was[0]!r}, num_heads={was[1]} (its logits "
                 f"were trained to mean that distribution), but loss={now[0]!r}, num_heads={now[1]} was "
                 f"requested. Pass override_saved=True to apply_patch to change it deliberately."

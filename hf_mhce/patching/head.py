@@ -53,12 +53,10 @@ class HeadParts:
     adapters: list[Adapter] = field(default_factory=list)
 
 
-BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed-adapter batch
-
-
 def resolve_head(head: nn.Module, adapter: str | None = None) -> HeadParts:
     """Base weight, bias and active LoRA adapters of the head module, following PEFT's forward;
-    ``adapter`` (a name from ``mixed_batch_adapters``) stands in for the active adapters."""
+    ``adapter`` (a name from ``mixed_batch_adapters``) stands in for the active adapters (a name the
+    head does not carry, such as PEFT's "__base__", leaves the base layer alone)."""
     if ModulesToSaveWrapper and isinstance(head, ModulesToSaveWrapper):
         # PEFT trains a copy; the original is used only while adapters are disabled.
         active = head.active_adapters if adapter is None else [adapter]

@@ -56,14 +56,14 @@ def install(holder: nn.Module) -> None:
 
 def remove(holder: nn.Module) -> None:
     """Drop the saving and pickling methods ``install`` added (unpatch restores the forward)."""
-    for name in ("save_pretrained", _REDUCE, _SETSTATE):
+    for name in ("save_pretrained", _REDUCE):
         if _is_ours(holder.__dict__.get(name)):
             del holder.__dict__[name]
 
 
 def _is_ours(value) -> bool:
     func = getattr(value, "__func__", None)
-    return func in (_save_with_card, _reduce_ex, _setstate) or getattr(func, "hf_mhce_patched", False)
+    return func in (_save_with_card, _reduce_ex) or getattr(func, "hf_mhce_patched", False)
 
 
 def _save_with_card(self, save_directory, *args, **kwargs):

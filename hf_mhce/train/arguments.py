@@ -87,6 +87,15 @@ ALL_ARGUMENTS = (ModelArguments, DataArguments, LossArguments, LoraArguments, Tr
 FRESH_MODEL_LOSS = ("mhce", 4)  # --loss / --num_heads when no checkpoint says otherwise
 
 
+def requested_loss(model_args, loss_args) -> tuple[str | None, int | None]:
+    """(loss, num_heads) for apply_patch: None keeps a checkpoint's; a fresh model gets FRESH_MODEL_LOSS."""
+    loss, heads = loss_args.loss, loss_args.num_heads
+    if not model_args.model:
+        loss = loss or FRESH_MODEL_LOSS[0]
+        heads = heads or (FRESH_MODEL_LOSS[1] if loss == "mhce" else None)
+    return loss, heads
+
+
 def check_arguments(model_args, loss_args, lora_args) -> None:
     """Refuse inconsistent options before any data is read or tokenizer trained."""
     from ..patching import LossConfig
@@ -94,10 +103,7 @@ def check_arguments(model_args, loss_args, lora_args) -> None:
     if lora_args.lora_r > 0 and not model_args.model:
         raise ValueError("--lora_r adapts a pretrained model: give its checkpoint with --model (without one the base "
                          "is a random Llama that is never saved, so the adapter could not be loaded again)")
-    loss = loss_args.loss or (None if model_args.model else FRESH_MODEL_LOSS[0])
-    heads = loss_args.num_heads
-    if heads is None and loss == "mhce" and not model_args.model:
-        heads = FRESH_MODEL_LOSS[1]
+    loss, heads = requested_loss(model_args, loss_args)
     if loss is not None:  # what can be checked before a checkpoint is read
         LossConfig(loss=loss, num_heads=1 if heads is None else heads,
                    label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)

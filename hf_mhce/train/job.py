@@ -16,7 +16,7 @@ import torch
 from .. import patching
 from ..rbe import RBECallback
 from . import corpus
-from .arguments import FRESH_MODEL_LOSS, check_arguments, fuse_label_smoothing
+from .arguments import check_arguments, fuse_label_smoothing, requested_loss
 
 
 def build_tokenizer(model_args, texts):
@@ -46,18 +46,13 @@ def build_model(model_args, loss_args, tokenizer):
             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
         )
         model = LlamaForCausalLM(config)
-    loss, num_heads = loss_args.loss, loss_args.num_heads  # None: the checkpoint's (apply_patch keeps it)
-    if not model_args.model:
-        loss = loss or FRESH_MODEL_LOSS[0]
-        num_heads = num_heads or (FRESH_MODEL_LOSS[1] if loss == "mhce" else None)
+    loss, num_heads = requested_loss(model_args, loss_args)
     try:
         return patching.apply_patch(model, loss=loss, num_heads=num_heads, override_saved=loss_args.override_saved,
                                     label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
-    except ValueError as err:
-        if "override_saved" not in str(err):
-            raise
-        raise ValueError(f"{err} (hf-mhce train: --override_saved, or leave out --loss / --num_heads to keep "
-                         "the checkpoint's)") from None
+    except patching.SavedLossMismatchError as err:
+        hint = "hf-mhce train: --override_saved, or leave out --loss / --num_heads to keep the checkpoint's"
+        raise patching.SavedLossMismatchError(f"{err} ({hint})") from None
 
 
 def add_lora(model, lora_args):
@@ -111,7 +106,6 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
                for name, texts in eval_texts.items()}
     model = add_lora(build_model(model_args, loss_args, tokenizer), lora_args)
     n_params = sum(p.numel() for p in model.parameters())
-    patching_config = model.get_base_model().config.hf_mhce if lora_args.lora_r > 0 else model.config.hf_mhce
     rbe = RBECallback(plot=loss_args.rbe_plots)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                       data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
@@ -121,7 +115,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     tokenizer.save_pretrained(training_args.output_dir)
     sample = generate_sample(trainer.model, tokenizer, loss_args.sample_prompt, loss_args.sample_tokens)
     summary = {
-        **{k: patching_config[k] for k in ("loss", "num_heads")},
+        **{k: model.config.hf_mhce[k] for k in ("loss", "num_heads")},  # as patched (a PeftModel reads its base's)
         "parameters": n_params, "train_tokens": len(train_ds) * block, "train": train_output.metrics,
         "final_eval": final, "rbe_history": rbe.history, "sample": sample,
         "wall_seconds": round(time.time() - started, 1),
