@@ -54,6 +54,11 @@ class RBECallback(TrainerCallback):
     """
 
     def __init__(self, plot: bool = False):
+        if plot:  # before training, not at the first evaluation
+            from . import plots
+
+            if not plots.available():
+                raise ImportError(plots.MISSING + ", or RBECallback(plot=False)")
         self._plot_dir: str | None = None
         self.plot = plot
         self.history: list[dict] = []  # one row per evaluation: step, prefix, components

@@ -9,14 +9,25 @@ import torch
 from .stats import RBEStats
 
 
-def _pyplot():
-    try:
-        import matplotlib
+MISSING = "RBE plots need matplotlib: pip install 'hf-mhce[plot]'"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:  # pragma: no cover - exercised only without matplotlib
-        raise ImportError("RBE plots need matplotlib: pip install 'hf-mhce[plot]'") from err
+
+def available() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot():
+    if not available():
+        raise ImportError(MISSING)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     return plt
 
 

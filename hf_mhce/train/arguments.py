@@ -103,6 +103,11 @@ def check_arguments(model_args, loss_args, lora_args) -> None:
     if lora_args.lora_r > 0 and not model_args.model:
         raise ValueError("--lora_r adapts a pretrained model: give its checkpoint with --model (without one the base "
                          "is a random Llama that is never saved, so the adapter could not be loaded again)")
+    if loss_args.rbe_plots:
+        from ..rbe import plots
+
+        if not plots.available():
+            raise ValueError(f"{plots.MISSING}, or pass --no_rbe_plots")
     loss, heads = requested_loss(model_args, loss_args)
     if loss is not None:  # what can be checked before a checkpoint is read
         LossConfig(loss=loss, num_heads=1 if heads is None else heads,

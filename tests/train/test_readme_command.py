@@ -20,6 +20,7 @@ def _readme_commands() -> list[str]:
 def test_readme_opens_with_the_two_commands():
     main_job, tests = _readme_commands()[:2]
     assert main_job.rstrip().endswith("hf-mhce train")
+    assert '-e ".[plot]"' in main_job  # the job's default writes RBE plots (matplotlib is an extra)
     ci = (README.parent / ".ci" / "run").read_text()
     assert tests.strip() in ci  # .ci/run runs exactly the README's test command
 
