@@ -26,6 +26,8 @@ case "$STAGE" in
     step gpu_suite_2pow31 python3 benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16 --out "$OUT"
     step gpu_suite_lora python3 benchmarks/gpu_suite.py --tokens 4096 --heads 1 4 --dtypes bfloat16 --lora-rank 16 \
       --reps 3 --out "$OUT"
+    # rank ties with duplicated target rows (the target logit rounds like the sweep's tiles)
+    step gpu_ties python3 benchmarks/gpu_ties.py --out "$OUT"
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
     step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 300 --out "$OUT"
     ;;

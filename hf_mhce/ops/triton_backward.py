@@ -49,7 +49,7 @@ def _backward_kernel(
     NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
     NEED_DU: tl.constexpr, NEED_DLB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1).to(tl.int64)
     # int64 throughout: a wide GROUP_N times many vocabulary blocks passes 2^31
@@ -72,7 +72,7 @@ def _backward_kernel(
         col0 = head * Dh
         y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, head * R, R,
                         stride_x, stride_w, stride_u, stride_lb, softcap,
-                        HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
+                        HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
         stat = rows * NUM_HEADS + head
         lse = tl.load(Lse + stat, mask=row_valid, other=0.0)
         alpha = tl.load(Alpha + stat, mask=row_valid, other=0.0)
@@ -93,14 +93,14 @@ def _backward_kernel(
             if NEED_DX:
                 w = tl.load(W + cols[:, None] * stride_w + ks[None, :],
                             mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-                dx = dot(dy_in, w, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), DOT_UPCAST, PRECISION)
+                dx = dot(dy_in, w, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), DOT_IN_ORDER, PRECISION)
                 tl.atomic_add(DX + (rows - n_start)[:, None] * stride_dx + ks[None, :], dx,
                               mask=row_mask[:, None] & k_mask[None, :])
             if NEED_DW:
                 x = tl.load(X + rows[:, None] * stride_x + ks[None, :],
                             mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 dw = dot(tl.trans(dy_in), x, tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32),
-                         DOT_UPCAST, PRECISION)
+                         DOT_IN_ORDER, PRECISION)
                 tl.atomic_add(DW + (cols - v_start)[:, None] * stride_dw + ks[None, :], dw,
                               mask=col_mask[:, None] & k_mask[None, :])
         # Low-rank term: dU = dY LB into U's layout, dLB = dY^T U summed over heads (shared LB);
@@ -111,13 +111,13 @@ def _backward_kernel(
             if NEED_DU:
                 b = tl.load(LB + cols[:, None] * stride_lb + rs[None, :],
                             mask=col_mask[:, None] & r_mask[None, :], other=0.0)
-                du = dot(dy_in, b, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), DOT_UPCAST, PRECISION)
+                du = dot(dy_in, b, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), DOT_IN_ORDER, PRECISION)
                 tl.atomic_add(DU + rows[:, None] * stride_u + (head * R + rs)[None, :], du,
                               mask=row_mask[:, None] & r_mask[None, :])
             if NEED_DLB:
                 u = tl.load(U + rows[:, None] * stride_u + (head * R + rs)[None, :],
                             mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-                dlb = dot(tl.trans(dy_in), u, tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32), DOT_UPCAST, PRECISION)
+                dlb = dot(tl.trans(dy_in), u, tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32), DOT_IN_ORDER, PRECISION)
                 tl.atomic_add(DLB + cols[:, None] * stride_lb + rs[None, :], dlb,
                               mask=col_mask[:, None] & r_mask[None, :])
 

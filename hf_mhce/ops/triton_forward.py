@@ -1,5 +1,5 @@
 """Triton forward sweep: per token and head, the online logsumexp over the vocabulary, the target
-logit (computed before the sweep, one dot product), optionally the sum of the logits and, for one
+logit (computed before the sweep, from a tile like the sweep's), optionally the sum of the logits and, for one
 head, the target's rank in the same pass (several heads: ``triton_ranks``).
 
 Grid: (token blocks, vocabulary splits, heads).  Each program streams one split of the vocabulary
@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .torch_sweep import SweepStats
 from .triton_ranks import mixture_ranks
-from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args, softcap_fn
+from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args, target_logits_tile
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def _forward_kernel(
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
     NEED_SUM: tl.constexpr, NEED_RANKS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr,
 ):
     split = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2).to(tl.int64)
@@ -34,31 +34,15 @@ def _forward_kernel(
     row_mask = rows < N
     col0 = head * Dh
 
-    # Target logit first, so that a later pass over the same tiles can compare against it.
-    # Ignored tokens (label -1) gather nothing: their row of W would be out of bounds.
+    # Target logit first, so that the sweep can rank against it; taken from a tile shaped like the
+    # sweep's so that rows equal to the target's tie exactly.
     labels = tl.load(Labels + rows, mask=row_mask, other=-1)
-    row_valid = labels >= 0
-    raw_labels = labels
-    labels = tl.where(row_valid, labels, 0)
     t_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, Dh, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = (ks < Dh)[None, :]
-        x = tl.load(X + rows[:, None] * stride_x + (col0 + ks)[None, :], mask=row_mask[:, None] & k_mask, other=0.0)
-        w = tl.load(W + labels[:, None] * stride_w + (col0 + ks)[None, :], mask=row_valid[:, None] & k_mask, other=0.0)
-        t_acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)
-    if HAS_LOW_RANK:
-        for r0 in range(0, R, BLOCK_K):
-            rs = r0 + tl.arange(0, BLOCK_K)
-            r_mask = (rs < R)[None, :]
-            u = tl.load(U + rows[:, None] * stride_u + (head * R + rs)[None, :], mask=row_mask[:, None] & r_mask,
-                        other=0.0)
-            b = tl.load(LB + labels[:, None] * stride_lb + rs[None, :], mask=row_valid[:, None] & r_mask, other=0.0)
-            t_acc += tl.sum(u.to(tl.float32) * b.to(tl.float32), axis=1)
-    if HAS_BIAS:
-        t_acc += tl.load(B + labels, mask=row_valid, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        t_acc = softcap_fn(t_acc, softcap)
+    if (split == 0) | NEED_RANKS:  # split 0 stores it; the others need it only to rank
+        row0 = tl.program_id(0).to(tl.int64) * BLOCK_N
+        t_acc = target_logits_tile(X, W, B, U, LB, Labels, N, row0, rows, row_mask, col0, Dh, head * R, R,
+                                   stride_x, stride_w, stride_u, stride_lb, softcap, HAS_BIAS,
+                                   HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
 
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -71,7 +55,7 @@ def _forward_kernel(
         col_mask = cols < v_end
         y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, head * R, R,
                         stride_x, stride_w, stride_u, stride_lb, softcap,
-                        HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
+                        HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
         y = tl.where(col_mask[None, :], y, float("-inf"))
         m_new = tl.maximum(m, tl.max(y, axis=1))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new[:, None]), axis=1)
@@ -79,7 +63,7 @@ def _forward_kernel(
         if NEED_SUM:
             y_sum += tl.sum(tl.where(col_mask[None, :], y, 0.0), axis=1)
         if NEED_RANKS:  # one head only: entries j != t above the target logit (masked cols are -inf)
-            above = (y > t_acc[:, None]) & (cols[None, :] != raw_labels[:, None])
+            above = (y > t_acc[:, None]) & (cols[None, :] != labels[:, None])
             rank += tl.sum(above.to(tl.int64), axis=1)
 
     out = rows * NUM_HEADS + head

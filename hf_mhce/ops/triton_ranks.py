@@ -22,7 +22,7 @@ def _mixture_rank_kernel(
     N, V, Dh, R, stride_x, stride_w, stride_u, stride_lb, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -47,7 +47,7 @@ def _mixture_rank_kernel(
         for h in range(0, NUM_HEADS):
             y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, h * Dh, Dh, h * R, R,
                             stride_x, stride_w, stride_u, stride_lb, softcap, HAS_BIAS, HAS_SOFTCAP,
-                            HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_UPCAST, PRECISION)
+                            HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
             lp = y - tl.load(Lse + rows * NUM_HEADS + h, mask=row_mask, other=0.0)[:, None]
             new_max = tl.maximum(m, lp)
             s = s * tl.exp(m - new_max) + tl.exp(lp - new_max)

@@ -26,11 +26,13 @@ def interpreting() -> bool:
 def dot_settings(dtype: torch.dtype) -> dict:
     """Constexprs for ``dot``: exact fp32 products for fp32 inputs (no TF32), native otherwise.
 
-    The interpreter computes through numpy, which has no bfloat16: there the operands are upcast
-    (exact, since bf16 -> fp32 is lossless), a path the compiled kernels never take.
+    Under the interpreter, ``dot`` sums float32 products in k order instead of calling numpy's
+    matmul: numpy has no bfloat16 (upcasting is exact), and its BLAS rounds an entry differently
+    depending on where it sits in the tile, so a row of W equal to the target's would not tie with
+    it as it does on the GPU, where every entry of a tile goes through the same instructions.
     """
     return {
-        "DOT_UPCAST": interpreting() and dtype == torch.bfloat16,
+        "DOT_IN_ORDER": interpreting(),
         "PRECISION": "ieee" if dtype == torch.float32 else None,
     }
 
@@ -85,9 +87,9 @@ def override_tiles(kernel: str, **settings):
 
 
 @triton.jit
-def dot(a, b, acc, DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    if DOT_UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+def dot(a, b, acc, DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr):
+    if DOT_IN_ORDER:  # interpreter only (see dot_settings): the same rounding at every tile position
+        return acc + tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
@@ -103,7 +105,7 @@ def logits_tile(
     stride_x, stride_w, stride_u, stride_lb, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Float32 logits tile [BLOCK_N, BLOCK_V] of one head (softcap applied when enabled).
 
@@ -118,7 +120,7 @@ def logits_tile(
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(W + cols[:, None] * stride_w + (col0 + ks)[None, :],
                     mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = dot(x, tl.trans(w), acc, DOT_UPCAST, PRECISION)
+        acc = dot(x, tl.trans(w), acc, DOT_IN_ORDER, PRECISION)
     if HAS_LOW_RANK:
         for r0 in range(0, R, BLOCK_K):
             rs = r0 + tl.arange(0, BLOCK_K)
@@ -127,12 +129,43 @@ def logits_tile(
                         mask=row_mask[:, None] & r_mask[None, :], other=0.0)
             b = tl.load(LB + cols[:, None] * stride_lb + rs[None, :],
                         mask=col_mask[:, None] & r_mask[None, :], other=0.0)
-            acc = dot(u, tl.trans(b), acc, DOT_UPCAST, PRECISION)
+            acc = dot(u, tl.trans(b), acc, DOT_IN_ORDER, PRECISION)
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if HAS_SOFTCAP:
         acc = softcap_fn(acc, softcap)
     return acc
+
+
+@triton.jit
+def target_logits_tile(
+    X, W, B, U, LB, Labels, N, row0, rows, row_mask, col0, Dh, u_col0, R,
+    stride_x, stride_w, stride_u, stride_lb, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Float32 target logit [BLOCK_N] of each row (0 where its label is -1), read off the diagonal
+    of ``logits_tile`` tiles whose columns are the block's own targets.
+
+    Same function, shapes and accumulation order as the sweep's tiles, so a row of W equal to the
+    target's gives exactly the target's logit (a tie, as in one full logits matmul); a separate
+    dot product rounds differently and ranked such rows above the target about half the time.
+    Costs ceil(BLOCK_N / BLOCK_V) tiles, against V / BLOCK_V for the sweep.
+    """
+    t = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c0 in tl.static_range(0, BLOCK_N, BLOCK_V):
+        slots = c0 + tl.arange(0, BLOCK_V)  # which rows of the block these columns serve
+        src = row0 + slots
+        cols = tl.load(Labels + src, mask=(slots < BLOCK_N) & (src < N), other=-1)
+        col_valid = cols >= 0
+        cols = tl.where(col_valid, cols, 0)  # ignored tokens gather nothing (their row would be out of bounds)
+        y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_valid, col0, Dh, u_col0, R,
+                        stride_x, stride_w, stride_u, stride_lb, softcap, HAS_BIAS, HAS_SOFTCAP,
+                        HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
+        diagonal = (tl.arange(0, BLOCK_N)[:, None] == slots[None, :]) & col_valid[None, :]
+        t += tl.sum(tl.where(diagonal, y, 0.0), axis=1)
+    return t
 
 
 def low_rank_args(low_rank, fallback: torch.Tensor) -> tuple:

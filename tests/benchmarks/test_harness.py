@@ -71,3 +71,12 @@ def test_tile_sweep(tmp_path):
     for r in rows:
         assert not r.get("note", "").startswith("failed"), r
     assert all(r["rel_err_vs_default"] <= 2e-3 for r in timed), timed
+
+
+def test_gpu_ties(tmp_path):
+    rows = _run("gpu_ties.py", "--device", "cpu", "--small", "--heads", "1", "2", out=tmp_path)
+    assert [(r["dtype"], r["heads"]) for r in rows] == [("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+    for r in rows:
+        assert r["wrong_ranks"] == 0 and r["duplicates_ranked_above"] == 0, r
+        assert r["rows_compared"] >= 0.9 * r["rows"], r  # few rows left out as near-ties
+        assert 0 < r["median_rank"] < 300, r  # informative ranks, neither all 0 nor all V

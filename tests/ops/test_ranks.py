@@ -85,15 +85,17 @@ def test_ranks_on_real_valued_logits(backend, heads):
     assert torch.equal(stats.ranks, brute_force_ranks(x, w, None, labels, heads))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("heads", [1, 4])
 @pytest.mark.parametrize("low_rank,bias,softcap", [(False, False, None), (True, True, 20.0)])
-def test_torch_ranks_with_duplicated_real_valued_rows(heads, low_rank, bias, softcap):
-    """Rows equal to the target's row are exact ties in one full logits matmul; the torch sweep forms the
-    target logits by matmuls that round like its blocks, so they are ties there too (a separate dot
-    product rounds differently and put about half of them above the target).  Random real values over
-    several vocabulary and token blocks, with the low-rank term, bias and softcap the sweep applies."""
+def test_ranks_with_duplicated_real_valued_rows(backend, heads, low_rank, bias, softcap):
+    """Rows equal to the target's row are exact ties in one full logits matmul; both sweeps form the
+    target logits the way their blocks / tiles form every logit, so they are ties there too (a separate
+    dot product rounds differently and put about half of them above the target).  Random real values
+    over several vocabulary and token blocks, with the low-rank term, bias and softcap the sweep applies.
+    The Triton kernels run here through the interpreter; benchmarks/gpu_ties.py checks them on a GPU."""
     g = torch.Generator().manual_seed(3 + heads)
-    n, v, d, r = 300, 1500, 64, 4
+    n, v, d, r = (300, 1500, 64, 4) if backend == "torch" else (50, 230, 64, 4)  # interpreter: 16 x 32 tiles
     x = torch.randn(n, d, generator=g)
     w = torch.randn(v, d, generator=g) / math.sqrt(d)
     labels = torch.randint(0, v - 1, (n,), generator=g)
@@ -104,7 +106,7 @@ def test_torch_ranks_with_duplicated_real_valued_rows(heads, low_rank, bias, sof
     b = torch.randn(v, generator=g) if bias else None
     if bias:
         b[labels + 1] = b[labels]
-    stats = torch_sweep.forward_stats(x, w, b, labels, heads, softcap, False, need_ranks=True, low_rank=lr)
+    stats = _forward_stats(backend)(x, w, b, labels, heads, softcap, False, need_ranks=True, low_rank=lr)
 
     dh = d // heads  # float64 reference: duplicated rows give equal logits exactly
     y = torch.einsum("nhd,vhd->nhv", x.double().view(n, heads, dh), w.double().view(v, heads, dh))

@@ -1,0 +1,93 @@
+"""GPU check of RBE ranks when rows of W duplicate the target's row (exact ties in real arithmetic).
+
+    python benchmarks/gpu_ties.py                  # N=4096, V=32768, D=4096, bf16 + fp32, H=1 and 4
+    python benchmarks/gpu_ties.py --device cpu --small   # TRITON_INTERPRET=1: checks the script
+
+A rank counts the entries j != t strictly above the target.  A row of W equal to the target's row
+must tie with it, as it does in one full logits matmul; that holds only if the kernel's target
+logit rounds exactly like the sweep's tiles (before, a separate dot product put about half of the
+duplicates above the target).  Each target's row is copied to the next index, and the Triton ranks
+are compared with ranks from float64 logits of the same (rounded) inputs.  Rows where some other
+entry lies within rounding of the target (a near-tie that float32 accumulation may order either
+way) are left out and counted; every other row must agree exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+
+import torch
+from records import add_device_options, device_label, write_record
+
+from hf_mhce.ops import triton_forward
+
+NEAR = 1e-5  # relative gap below which a non-duplicate entry is a near-tie (float32 sums of D terms)
+EQUAL = 1e-12  # relative gap below which float64 values count as the same (duplicates)
+
+
+def reference(x, w, labels, heads, chunk=512):
+    """(ranks, ambiguous) from float64 logits: ranks with ties in the target's favour, and which rows
+    have a non-equal entry within NEAR of the target (under the mixture for several heads)."""
+    n, d = x.shape
+    dh = d // heads
+    wd = w.double().view(-1, heads, dh)
+    lse = torch.stack([torch.logsumexp(x[:, h * dh:(h + 1) * dh].double() @ wd[:, h].T, -1) for h in range(heads)], 1)
+    ranks, ambiguous = [], []
+    for n0 in range(0, n, chunk):
+        xs = x[n0:n0 + chunk].double().view(-1, heads, dh)
+        y = torch.einsum("nhd,vhd->nhv", xs, wd) - lse[n0:n0 + chunk, :, None]
+        logp = torch.logsumexp(y, 1)  # mixture log-prob up to log H: [rows, V]
+        t = logp.gather(1, labels[n0:n0 + chunk, None])
+        gap = (logp - t) / t.abs().clamp_min(1.0)
+        gap.scatter_(1, labels[n0:n0 + chunk, None], float("inf"))  # the target itself is never counted
+        ranks.append(((gap > EQUAL) & gap.isfinite()).sum(1))
+        ambiguous.append(((gap.abs() > EQUAL) & (gap.abs() < NEAR)).any(1))
+    return torch.cat(ranks), torch.cat(ambiguous)
+
+
+def run_case(n, v, d, heads, dtype, device):
+    g = torch.Generator().manual_seed(heads)
+    x = torch.randn(n, d, generator=g).to(device)
+    w = (torch.randn(v, d, generator=g) / math.sqrt(d)).to(device)
+    labels = torch.randint(0, v - 1, (n,), generator=g).to(device)
+    labels[: n // 4] = (x[: n // 4] @ w.T).argmax(-1).clamp_max(v - 2)  # well-ranked targets: ranks near 0
+    w[labels + 1] = w[labels]  # each target's row also at the next index
+    x, w = x.to(dtype), w.to(dtype)
+    ranks = triton_forward.forward_stats(x, w, None, labels, heads, None, False, need_ranks=True).ranks
+    expected, ambiguous = reference(x, w, labels, heads)
+    compared = ~ambiguous
+    wrong = (ranks != expected) & compared
+    return {"dtype": str(dtype).replace("torch.", ""), "heads": heads, "rows": n, "near_tie_rows_left_out": int(ambiguous.sum()),
+            "rows_compared": int(compared.sum()), "wrong_ranks": int(wrong.sum()),
+            "duplicates_ranked_above": int((ranks - expected)[compared].clamp_min(0).sum()),
+            "median_rank": float(expected.double().median())}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    add_device_options(p, reps=1)
+    p.add_argument("--heads", type=int, nargs="+", default=[1, 4])
+    args = p.parse_args()
+    device = torch.device(args.device)
+    n, v, d = (48, 300, 64) if args.small else (4096, 32768, 4096)
+    rows = []
+    for dt in ("float32", args.dtype):
+        for h in args.heads:
+            rows.append(run_case(n, v, d, h, getattr(torch, dt), device))
+            print(json.dumps(rows[-1]))
+    name = device_label(device)
+    keys = list(rows[0])
+    lines = [f"# Rank ties with duplicated target rows: N={n}, V={v}, D={d} on {name}", "",
+             "Target: wrong_ranks = 0 (rows with a non-duplicate near-tie are left out and counted).", "",
+             "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    write_record(args.out, f"{name}-{datetime.date.today().isoformat()}-ties", rows, "\n".join(lines))
+    if any(r["wrong_ranks"] for r in rows):
+        raise SystemExit("ranks disagree with the float64 reference on rows without near-ties")
+
+
+if __name__ == "__main__":
+    main()
