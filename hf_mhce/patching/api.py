@@ -14,10 +14,6 @@ from .head import UnsupportedHeadError, resolve_head
 from .methods import bind_forward, install, remove
 from .methods import unwrap as _unwrap
 
-# Model classes outside FAMILIES that passed (True) or failed (False) the verification probe.
-_PROBED: dict[type, bool] = {}
-
-
 def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
                 override_saved: bool = False, **loss_options):
     """Route a causal LM's forward through the fused losses; returns ``model`` (patched in place).
@@ -149,36 +145,45 @@ def _check_head(model, num_heads: int) -> None:
 
 
 def _facts(model, out_cls) -> LogitFacts:
-    """The family's logit facts; an unknown family must pass the verification probe first."""
+    """The family's logit facts.  A family outside the table, or a class whose forward is not
+    transformers' own (a user subclass overriding it, remote code), must pass the verification probe."""
     kind = model_type(model)
-    if kind in FAMILIES:
-        return FAMILIES[kind]
-    cls = type(model)
-    if cls not in _PROBED:
-        _PROBED[cls] = _probe(model, out_cls)
-    if not _PROBED[cls]:
-        raise unsupported(model, f"model type {kind!r} is not in the family table and the generic forward "
-                                 "does not reproduce its logits")
-    return LogitFacts()
+    facts = FAMILIES.get(kind)
+    module = getattr(type(model).forward, "__module__", None) or "?"
+    own = module.startswith("transformers.")
+    if facts is not None and own:
+        return facts
+    # Probed per instance, never cached per class: a family may transform its logits by a config
+    # value (HyperCLOVAX-like scales) that is the identity in one instance and not in the next.
+    facts = facts or LogitFacts()
+    if not _probe(model, out_cls, facts):
+        why = (f"model type {kind!r} is not in the family table" if own else
+               f"{type(model).__name__}.forward is defined outside transformers (in {module}), so the fused loss "
+               "would bypass it,")
+        raise unsupported(model, f"{why} and the generic forward does not reproduce its logits and loss")
+    return facts
 
 
 @torch.no_grad()
-def _probe(model, out_cls) -> bool:
-    """Does the generic path give the original forward's logits on a few tokens (eval mode)?"""
+def _probe(model, out_cls, facts: LogitFacts) -> bool:
+    """Does the generic path give the original forward's logits and loss on a few tokens (eval mode)?"""
     from .config import LossConfig
 
     if any(p.is_meta for p in model.parameters()):
-        raise unsupported(model, f"model type {model_type(model)!r} is not in the family table and its weights "
-                                 "are on the meta device, so the generic forward cannot be verified")
+        raise unsupported(model, f"{type(model).__name__} (model type {model_type(model)!r}) must be verified against "
+                                 "the generic forward, but its weights are on the meta device")
     sig = mirrored_signature(type(model))
-    state = PatchState(LossConfig(), LogitFacts(), out_cls, sig, _positional(sig), "forward", ABSENT, ABSENT)
+    state = PatchState(LossConfig(return_logits=True), facts, out_cls, sig, _positional(sig), "forward",
+                       ABSENT, ABSENT)
     was_training = model.training
     model.eval()
     try:
         ids = probe_inputs(model)
-        reference = type(model).forward(model, input_ids=ids, use_cache=False).logits
-        ours = generic_forward(model, state, input_ids=ids, use_cache=False).logits
-        return reference.shape == ours.shape and torch.allclose(reference.float(), ours.float(), rtol=1e-4, atol=1e-5)
+        reference = type(model).forward(model, input_ids=ids, labels=ids, use_cache=False)
+        ours = generic_forward(model, state, input_ids=ids, labels=ids, use_cache=False)
+        return (reference.logits.shape == ours.logits.shape
+                and torch.allclose(reference.logits.float(), ours.logits.float(), rtol=1e-4, atol=1e-5)
+                and torch.allclose(reference.loss.float(), ours.loss.float(), rtol=1e-4, atol=1e-5))
     except Exception:  # noqa: BLE001 - any failure means the generic path does not fit
         return False
     finally:

@@ -30,9 +30,9 @@ class UnsupportedModelError(TypeError):
 class LogitFacts:
     """How a family turns ``lm_head(hidden)`` into its logits (all attributes of model.config)."""
 
-    multiply_attr: str | None = None  # logits * config.<attr>            (Cohere logit_scale)
-    divide_attr: str | None = None  # logits / config.<attr>              (Granite logits_scaling)
-    softcap_attr: str | None = None  # cap * tanh(logits / cap) if set    (Gemma-2/3)
+    multiply_attr: str | None = None  # logits * config.<attr>  (Cohere logit_scale, HyperCLOVAX logits_scaling)
+    divide_attr: str | None = None  # logits / config.<attr>    (Granite logits_scaling)
+    softcap_attr: str | None = None  # cap * tanh(logits / cap) if set (Gemma-2/3)
 
 
 _PLAIN = LogitFacts()
@@ -54,6 +54,8 @@ FAMILIES: dict[str, LogitFacts] = {
     "cohere": LogitFacts(multiply_attr="logit_scale"),
     "cohere2": LogitFacts(multiply_attr="logit_scale"),
     "granite": LogitFacts(divide_attr="logits_scaling"),
+    "granite_swa": LogitFacts(divide_attr="logits_scaling"),
+    "hyperclovax": LogitFacts(multiply_attr="logits_scaling"),
 }
 TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 

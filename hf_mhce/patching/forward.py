@@ -75,6 +75,12 @@ ABSENT = _Absent()
 def mirrored_signature(model_class: type) -> inspect.Signature:
     """The original forward's signature plus ``return_logits`` (and ``**kwargs`` if it had none)."""
     sig = inspect.signature(model_class.forward)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
+        # A subclass's forward(*args, **kwargs) hands them on: the transformers forward it extends names them.
+        stock = next((c.__dict__["forward"] for c in model_class.__mro__[1:] if "forward" in c.__dict__
+                      and (getattr(c.__dict__["forward"], "__module__", None) or "").startswith("transformers.")), None)
+        if stock is not None:
+            sig = inspect.signature(stock)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
     var_kw = [p for p in sig.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
     if "return_logits" not in sig.parameters:

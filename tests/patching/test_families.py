@@ -3,10 +3,11 @@
 import pytest
 import torch
 from patching_models import assert_grads_close, batch, grads, twin
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_mhce.patching import FAMILIES, TESTED_FAMILIES, apply_patch
-from hf_mhce.patching.families import LogitFacts
+from hf_mhce.patching.families import LogitFacts, UnsupportedModelError
 
 SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
@@ -62,3 +63,59 @@ def test_unlisted_family_accepted_by_probe():
     model = apply_patch(twin(ref))
     assert model.training  # the probe ran in eval mode and restored the mode
     check_equal(ref, model)
+
+
+class _ScaledConfig(LlamaConfig):
+    model_type = "hf_mhce_test_scaled_llama"  # not in the table: patched only through the probe
+
+
+class _ScaledLlama(LlamaForCausalLM):
+    """A family outside the table whose logits depend on a config value (like HyperCLOVAX's scale)."""
+
+    config_class = _ScaledConfig
+
+    def forward(self, *args, **kwargs) -> CausalLMOutputWithPast:
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * self.config.extra_scale
+        return out
+
+
+def test_probe_runs_per_instance_not_per_class():
+    """The probe's verdict holds for one instance's config: a scale of 1 makes this family fit the generic
+    forward, a scale of 4 does not, even after an instance of the same class was accepted.  The patched
+    forward(*args, **kwargs) takes positional arguments as the Llama forward it extends does."""
+    def scaled(scale):
+        torch.manual_seed(0)
+        return _ScaledLlama(_ScaledConfig(**SIZES, extra_scale=scale))
+
+    ref = scaled(1.0)
+    check_equal(ref, apply_patch(twin(ref)))  # check_equal calls model(ids) positionally
+    with pytest.raises(UnsupportedModelError, match="does not reproduce its logits"):
+        apply_patch(scaled(4.0))
+
+
+class _AuxLossLlama(LlamaForCausalLM):
+    """A user subclass of a listed family whose forward adds to the loss: the fused forward would skip it."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs) -> CausalLMOutputWithPast:
+        out = super().forward(input_ids=input_ids, labels=labels, **kwargs)
+        if out.loss is not None:
+            out.loss = out.loss + self.model.embed_tokens.weight.square().sum()  # e.g. a regulariser
+        return out
+
+
+class _LoggingLlama(LlamaForCausalLM):
+    """A subclass whose forward override changes nothing the loss or logits see."""
+
+    def forward(self, input_ids=None, **kwargs) -> CausalLMOutputWithPast:
+        return super().forward(input_ids=input_ids, **kwargs)
+
+
+def test_overridden_forward_of_a_listed_family_is_verified():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**SIZES)
+    with pytest.raises(UnsupportedModelError, match="_AuxLossLlama.forward is defined outside transformers"):
+        apply_patch(_AuxLossLlama(cfg))
+    torch.manual_seed(0)
+    ref = _LoggingLlama(cfg)
+    check_equal(ref, apply_patch(twin(ref)))
