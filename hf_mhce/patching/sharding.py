@@ -1,9 +1,10 @@
-"""Reading the LM head's parameters under sharding wrappers (FSDP2, DeepSpeed ZeRO-3).
+"""Reading the LM head's parameters under sharding wrappers (FSDP2, DeepSpeed ZeRO-3) and
+accelerate's offloading (a ``device_map`` that puts the head on "cpu" or "disk").
 
 The fused loss reads ``lm_head.weight`` as a tensor instead of calling ``lm_head``.  Wrappers that
 shard parameters gather them in hooks around a module's *call*, so a head module that owns its own
-sharded parameters would be read in its sharded state: a DTensor slice (FSDP2 unit) or an empty
-placeholder (ZeRO-3).  Peers crash there, or worse, train on garbage.
+sharded parameters would be read in its sharded state: a DTensor slice (FSDP2 unit), an empty
+placeholder (ZeRO-3) or a meta tensor (accelerate offload).  Peers crash there, or worse, train on garbage.
 
 ``call_through`` runs the loss inside the ``__call__`` of every such module of the head (the head
 itself, and under PEFT its base layer and LoRA matrices), innermost call doing the work.  Each
@@ -41,7 +42,10 @@ def owns_sharded_params(module: nn.Module) -> bool:
     """True for a module whose own parameters a wrapper gathers only around its call."""
     if FSDPModule and isinstance(module, FSDPModule):
         return True
-    return any(hasattr(p, "ds_id") for p in module.parameters(recurse=False))  # ZeRO-3 partitioned
+    own = list(module.parameters(recurse=False))
+    if hasattr(module, "_hf_hook") and any(p.is_meta for p in own):
+        return True  # offloaded by accelerate (device_map "cpu"/"disk"): its hook loads them around the call
+    return any(hasattr(p, "ds_id") for p in own)  # ZeRO-3 partitioned
 
 
 def call_through(head: nn.Module, fn: Callable, *tensors: torch.Tensor):
@@ -84,6 +88,12 @@ def check_gathered(name: str, tensor: torch.Tensor | None, shape: tuple[int, ...
             f"the LM head's {name} is a sharded DTensor {tuple(tensor.shape)} with placements {tensor.placements} "
             "outside the module that owns it; hf_mhce gathers FSDP2 units itself, so this is another kind of "
             "sharding (e.g. tensor parallelism), which the fused loss does not support on the head"
+        )
+    if tensor.is_meta:
+        raise ShardedHeadError(
+            f"the LM head's {name} is on the meta device outside the module's call (offloaded, or not loaded): "
+            "hf_mhce loads heads offloaded by accelerate's hooks itself, so this is another kind of offloading, "
+            "which the fused loss does not support on the head"
         )
     if tensor.numel() == 0 or (shape is not None and tuple(tensor.shape) != tuple(shape)):
         raise ShardedHeadError(

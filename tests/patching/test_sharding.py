@@ -70,3 +70,41 @@ def test_call_through_runs_inside_hooked_modules():
     assert calls == [("pre", torch.Size([2, 12, 32])), ("post", torch.Size([]))]
     assert "forward" not in model.lm_head.__dict__ and model.lm_head.forward == forward_before
     torch.testing.assert_close(loss, ref(input_ids=ids, labels=labels).loss)
+
+
+@pytest.mark.parametrize("place", ["cpu", "disk"])
+def test_head_offloaded_by_accelerate(tmp_path, place):
+    """A device_map that offloads lm_head leaves a meta weight outside the head's call; its hook loads
+    the weight around the fused loss and the mixture, as around an ordinary head call.  With the head
+    in "cpu" the execution device is also the CPU here; the hook's weights map is what is exercised."""
+    from transformers import AutoModelForCausalLM
+
+    make_model("llama").save_pretrained(tmp_path / "ckpt")
+    if place == "cpu":  # an explicit CPU offload: accelerate keeps the weights in a map, meta on the module
+        from accelerate import cpu_offload
+
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+        cpu_offload(model.lm_head, execution_device=torch.device("cpu"))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", device_map={"model": "cpu", "lm_head": "disk"},
+                                                     offload_folder=str(tmp_path / "offload"))
+    assert model.lm_head.weight.is_meta
+    ids, labels = batch()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    with torch.no_grad():
+        expected = plain(input_ids=ids, labels=labels).loss
+        hf_mhce.apply_patch(model, loss="ce")
+        torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, expected)
+        hf_mhce.apply_patch(model, loss="mhce", num_heads=2, override_saved=True)
+        hf_mhce.apply_patch(plain, loss="mhce", num_heads=2)
+        torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+        torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, plain(input_ids=ids, labels=labels).loss)
+    assert model.lm_head.weight.is_meta  # offloaded again after each call
+
+
+def test_meta_head_weight_is_an_error():
+    model = hf_mhce.apply_patch(make_model("llama"), loss="ce")
+    model.lm_head.weight = torch.nn.Parameter(torch.empty(97, 32, device="meta"))
+    ids, labels = batch()
+    with pytest.raises(sharding.ShardedHeadError, match="meta device"):
+        model(input_ids=ids, labels=labels)
