@@ -13,6 +13,7 @@ from .api import add_card_section, apply_patch, from_pretrained, is_patched, unp
 from .config import CONFIG_KEY, LOSSES, LossConfig, SavedLossMismatchError
 from .families import FAMILIES, TESTED_FAMILIES, LogitFacts, UnsupportedModelError
 from .head import UnsupportedHeadError
+from .methods import PatchBypassedError
 
 __all__ = [
     "apply_patch",
@@ -29,4 +30,5 @@ __all__ = [
     "LogitFacts",
     "UnsupportedModelError",
     "UnsupportedHeadError",
+    "PatchBypassedError",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 
@@ -11,7 +12,7 @@ from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_confi
 from .families import FAMILIES, LogitFacts, check_structure, model_type, probe_inputs, unsupported
 from .forward import ABSENT, STATE_ATTR, PatchState, generic_forward, mirrored_signature
 from .head import UnsupportedHeadError, resolve_head
-from .methods import bind_forward, install, remove
+from .methods import bind_forward, install, live_attr, reaches_patched_forward, remove
 from .methods import unwrap as _unwrap
 
 def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
@@ -48,6 +49,9 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
         bind_forward(target)
     else:
         state.config, state.facts = cfg, facts
+        if live_attr(target) is None:  # replaced since (e.g. by Liger): asked again, so put it back
+            state.attr = "_old_forward" if hasattr(target, "_hf_hook") else "forward"
+            bind_forward(target)
     setattr(target.config, CONFIG_KEY, cfg.to_saved())
     state.saves_adapters = state.saves_adapters or model is not target
     install(target)
@@ -65,13 +69,20 @@ def add_card_section(model, title: str, render) -> None:
 def unpatch(model):
     """Restore the original forward and the original ``model.config.hf_mhce``; returns ``model``."""
     target = _unwrap(model)
-    state = target.__dict__.pop(STATE_ATTR, None)
+    state = target.__dict__.get(STATE_ATTR)
     if state is None:
         return model
-    if state.original is ABSENT:
-        target.__dict__.pop(state.attr, None)
+    attr = live_attr(target) or state.attr  # where it sits now: accelerate hooks may have come or gone
+    del target.__dict__[STATE_ATTR]
+    original = state.original
+    if getattr(original, "__func__", None) is type(target).forward:
+        original = ABSENT  # the class's own forward, bound: the same as no instance attribute
+    if original is not ABSENT:
+        target.__dict__[attr] = original
+    elif attr == "_old_forward":  # an accelerate hook calls it: the class's forward, bound
+        target.__dict__[attr] = types.MethodType(type(target).forward, target)
     else:
-        target.__dict__[state.attr] = state.original
+        target.__dict__.pop(attr, None)
     for holder in (target, model):
         remove(holder)
     if state.original_config is ABSENT:
@@ -83,7 +94,9 @@ def unpatch(model):
 
 
 def is_patched(model) -> bool:
-    return STATE_ATTR in _unwrap(model).__dict__
+    """True while the model's forward leads to hf_mhce's (not after unpatch, nor once replaced)."""
+    target = _unwrap(model)
+    return STATE_ATTR in target.__dict__ and reaches_patched_forward(target)
 
 
 def from_pretrained(path_or_id, **kwargs):

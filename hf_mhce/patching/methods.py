@@ -41,24 +41,82 @@ def unwrap(model) -> nn.Module:
     return model
 
 
+class PatchBypassedError(RuntimeError):
+    """Something replaced the patched forward after apply_patch (e.g. Liger's instance patch)."""
+
+
 def bind_forward(model: nn.Module) -> None:
     """Put the patched forward where the model's patch state says (``forward`` or ``_old_forward``)."""
     state = model.__dict__[STATE_ATTR]
     model.__dict__[state.attr] = types.MethodType(make_forward(state.signature, type(model)), model)
 
 
+def live_attr(model: nn.Module) -> str | None:
+    """Where the patched forward sits now, and the patch state updated to match: accelerate hooks
+    added or removed since apply_patch move it between ``forward`` and ``_old_forward``.  None if
+    something replaced it."""
+    attr = _sits_at(model)
+    if attr is not None:
+        model.__dict__[STATE_ATTR].attr = attr
+    return attr
+
+
+def _sits_at(model: nn.Module) -> str | None:
+    for attr in ("forward", "_old_forward"):
+        if getattr(getattr(model.__dict__.get(attr), "__func__", None), "hf_mhce_patched", False):
+            return attr
+    return None
+
+
+def reaches_patched_forward(model: nn.Module) -> bool:
+    """Does ``model.forward`` lead to the patched forward: an accelerate hook calling it as
+    ``_old_forward``, or wrappers that name what they wrap (``__wrapped__``, ``functools.partial``)?"""
+    if _sits_at(model) == "_old_forward" and hasattr(model, "_hf_hook"):
+        return True
+    fn = model.__dict__.get("forward")
+    for _ in range(8):
+        if fn is None:
+            return False
+        if getattr(getattr(fn, "__func__", fn), "hf_mhce_patched", False):
+            return True
+        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
+    return False
+
+
+def _guard(holder: nn.Module, args) -> None:
+    """Forward pre-hook: fail on the first call if the patched forward was replaced (a Trainer with
+    use_liger_kernel=True does so when training starts), instead of training with another loss
+    while the config still records hf_mhce's."""
+    target = unwrap(holder)
+    if STATE_ATTR in target.__dict__ and not reaches_patched_forward(target):
+        forward = target.__dict__.get("forward")
+        func = getattr(forward, "__func__", forward)
+        name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
+        raise PatchBypassedError(
+            f"{type(target).__name__}.forward was replaced after hf_mhce.apply_patch by {name}, so the model "
+            f"would run without hf_mhce's {target.__dict__[STATE_ATTR].config.loss!r} loss while its config still "
+            "records it. A Trainer with use_liger_kernel=True does this: keep Liger's other kernels with "
+            "liger_kernel_config={'fused_linear_cross_entropy': False}, or call hf_mhce.unpatch(model) first "
+            "to train with Liger's loss (hf_mhce.apply_patch(model) again puts hf_mhce's forward back)"
+        )
+
+
 def install(holder: nn.Module) -> None:
-    """Give ``holder`` the saving and pickling methods (those already there are kept)."""
+    """Give ``holder`` the saving and pickling methods and the guard (those already there are kept)."""
     for name, function in (("save_pretrained", _save_with_card), (_REDUCE, _reduce_ex)):
         if name not in holder.__dict__:
             holder.__dict__[name] = types.MethodType(function, holder)
+    if _guard not in holder._forward_pre_hooks.values():
+        holder.register_forward_pre_hook(_guard)
 
 
 def remove(holder: nn.Module) -> None:
-    """Drop the saving and pickling methods ``install`` added (unpatch restores the forward)."""
+    """Drop the saving and pickling methods and the guard ``install`` added (unpatch restores the forward)."""
     for name in ("save_pretrained", _REDUCE):
         if _is_ours(holder.__dict__.get(name)):
             del holder.__dict__[name]
+    for key in [k for k, hook in holder._forward_pre_hooks.items() if hook is _guard]:
+        del holder._forward_pre_hooks[key]
 
 
 def _is_ours(value) -> bool:
@@ -90,6 +148,8 @@ def _save_with_card(self, save_directory, *args, **kwargs):
 def _reduce_ex(self, protocol):
     """What pickle and copy save: the class's own reduction, minus our methods and card sections,
     rebuilt through ``_rebuild`` so the copy gets its own methods back."""
+    if STATE_ATTR in self.__dict__:
+        live_attr(self)  # re-installed where it sits now (an accelerate hook may have come or gone)
     func, args, state, *rest = type(self).__reduce_ex__(self, protocol)
     if not isinstance(state, dict):  # pragma: no cover - nn.Module always reduces to its __dict__
         raise TypeError(f"cannot pickle a patched {type(self).__name__}: unexpected state {type(state)}")
