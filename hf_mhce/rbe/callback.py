@@ -112,12 +112,12 @@ class RBECallback(TrainerCallback):
             add_card_section(model, "RBE evaluation", self.card_markdown)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        _check_not_data_parallel(args)
+        _check_arguments(args)
         self._plot_dir = os.path.join(args.output_dir, "rbe")
         self._attach(model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        _check_not_data_parallel(args)
+        _check_arguments(args)
         self._plot_dir = os.path.join(args.output_dir, "rbe")
         self._attach(model)  # added with trainer.add_callback, or a model_init model
 
@@ -133,7 +133,7 @@ class RBECallback(TrainerCallback):
 
     def on_prediction_step(self, args, state, control, model=None, eval_dataloader=None, **kwargs):
         if self._model is None:  # added with trainer.add_callback after init: first batch of an evaluation
-            _check_not_data_parallel(args)
+            _check_arguments(args)
             if model is not None:
                 self._attach(model)  # this batch was missed
                 self._late = True
@@ -190,7 +190,9 @@ class RBECallback(TrainerCallback):
                     "RBECallback needs a model patched with hf_mhce.apply_patch(model, ...): the ranks "
                     "are counted inside the fused loss, which an unpatched model never calls"
                 )
-            logger.warning("RBECallback: evaluation %r counted no token (all labels ignored?)", prefix)
+            logger.warning("RBECallback: evaluation %r counted no token: either every label was ignored, or the "
+                           "model got no labels because the Trainer computes the loss itself (a compute_loss_func "
+                           "given to Trainer, or label_smoothing_factor > 0), so there are no RBE metrics", prefix)
             return
         d = stats.decompose()
         metrics = {f"{prefix}_rbe_{k}": getattr(d, k) for k in METRICS}
@@ -230,10 +232,22 @@ class RBECallback(TrainerCallback):
         self._hooks, self._model = [], None
 
 
-def _check_not_data_parallel(args) -> None:
-    """Trainer runs several GPUs of one process through ``torch.nn.DataParallel``, whose replicas
-    run the forward in worker threads at once: one batch's ranks would be split, raced and partly
-    lost.  Say so instead of reporting a wrong decomposition."""
+def _check_arguments(args) -> None:
+    """TrainingArguments under which the callback would count nothing, or count wrongly.
+
+    With label_smoothing_factor the Trainer removes the labels from the inputs and smooths the loss
+    itself: the model never sees labels, so no rank is counted and no RBE metric is reported.
+    Trainer runs several GPUs of one process through ``torch.nn.DataParallel``, whose replicas run
+    the forward in worker threads at once: one batch's ranks would be split, raced and partly lost.
+    Say so instead of reporting nothing or a wrong decomposition."""
+    smoothing = getattr(args, "label_smoothing_factor", 0) or 0
+    if smoothing > 0:
+        raise ValueError(
+            f"RBECallback counts ranks inside the patched model's loss, but with label_smoothing_factor={smoothing} "
+            "the Trainer takes the labels out of the inputs and smooths the loss itself, so there would be no RBE "
+            f"metrics. Smooth in the fused loss instead: hf_mhce.apply_patch(model, ..., label_smoothing={smoothing}) "
+            "and label_smoothing_factor=0 (the same smoothed cross-entropy)"
+        )
     if getattr(args, "parallel_mode", None) == ParallelMode.NOT_DISTRIBUTED:
         raise RuntimeError(
             f"RBECallback does not support torch.nn.DataParallel, which Trainer uses for the "

@@ -202,3 +202,33 @@ def test_data_parallel_is_refused(tmp_path, monkeypatch):
     callback = RBECallback()  # added after init: refused at the first evaluation batch too
     with pytest.raises(RuntimeError, match="DataParallel"):
         callback.on_prediction_step(args, None, None, model=None)
+
+
+def test_trainer_label_smoothing_is_refused_with_the_fused_alternative(tmp_path):
+    """label_smoothing_factor makes the Trainer take the labels out of the inputs: the model would count
+    no rank and every evaluation would end without RBE metrics (a metric_for_best_model on one then fails)."""
+    args = _args(tmp_path, label_smoothing_factor=0.1)
+    with pytest.raises(ValueError, match=r"label_smoothing_factor=0.1.*apply_patch\(model, \.\.\., label_smoothing=0.1\)"):
+        Trainer(model=_patched("ce"), args=args, eval_dataset=token_dataset(4), callbacks=[RBECallback()])
+    callback = RBECallback()  # added after init: refused at the first evaluation batch too
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        callback.on_prediction_step(args, None, None, model=None)
+    # the alternative it names: the same smoothing inside the fused loss, with RBE metrics
+    model = apply_patch(make_model("llama"), loss="ce", label_smoothing=0.1)
+    metrics = Trainer(model=model, args=_args(tmp_path), eval_dataset=token_dataset(4),
+                      callbacks=[RBECallback()]).evaluate()
+    assert _rbe(metrics)
+
+
+def test_loss_computed_by_the_trainer_is_named_when_nothing_is_counted(tmp_path, caplog):
+    """A compute_loss_func also takes the labels away from the model (the callback cannot see it
+    before the evaluation): the warning names it instead of only suggesting ignored labels."""
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        return outputs.logits.float().mean()
+
+    model = _patched("ce")
+    trainer = Trainer(model=model, args=_args(tmp_path), eval_dataset=token_dataset(4), callbacks=[RBECallback()],
+                      compute_loss_func=loss_func)
+    with caplog.at_level(logging.WARNING, logger="hf_mhce.rbe.callback"):
+        metrics = trainer.evaluate()
+    assert not _rbe(metrics) and "compute_loss_func" in caplog.text
