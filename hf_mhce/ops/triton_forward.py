@@ -1,6 +1,8 @@
-"""Triton forward sweep: per token and head, the online logsumexp over the vocabulary, the target
-logit (computed before the sweep, from a tile like the sweep's), optionally the sum of the logits and, for one
-head, the target's rank in the same pass (several heads: ``triton_ranks``).
+"""Triton forward sweep: per token and head, the online logsumexp over the vocabulary, optionally
+the sum of the logits and, for one head, the target's rank in the same pass (several heads:
+``triton_ranks``).  The target logits come first, from their own small launch (``_target_kernel``):
+one tile per token block, with the sweep's code and tiles, so that they round like the sweep's logits,
+without the sweep kernel carrying that tile's registers.
 
 Grid: (token blocks, vocabulary splits, heads).  Each program streams one split of the vocabulary
 for BLOCK_N tokens of one head, the statistics in registers.  Splits exist for occupancy: 4096
@@ -20,6 +22,24 @@ from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args
 
 
 @triton.jit
+def _target_kernel(
+    X, W, B, U, LB, Labels, Target,
+    N, Dh, R, stride_x, stride_w, stride_u, stride_lb, softcap,
+    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr,
+):
+    head = tl.program_id(1).to(tl.int64)
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    t = target_logits_tile(X, W, B, U, LB, Labels, N, row0, rows, row_mask, head * Dh, Dh, head * R, R,
+                           stride_x, stride_w, stride_u, stride_lb, softcap, HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK,
+                           BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
+    tl.store(Target + rows * NUM_HEADS + head, t, mask=row_mask)
+
+
+@triton.jit
 def _forward_kernel(
     X, W, B, U, LB, Labels, Lse, Target, LogitSum, Ranks,
     N, V, V_PER_SPLIT, Dh, R, stride_x, stride_w, stride_u, stride_lb, softcap,
@@ -33,16 +53,9 @@ def _forward_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     col0 = head * Dh
-
-    # Target logit first, so that the sweep can rank against it; taken from a tile shaped like the
-    # sweep's so that rows equal to the target's tie exactly.
-    labels = tl.load(Labels + rows, mask=row_mask, other=-1)
-    t_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    if (split == 0) | NEED_RANKS:  # split 0 stores it; the others need it only to rank
-        row0 = tl.program_id(0).to(tl.int64) * BLOCK_N
-        t_acc = target_logits_tile(X, W, B, U, LB, Labels, N, row0, rows, row_mask, col0, Dh, head * R, R,
-                                   stride_x, stride_w, stride_u, stride_lb, softcap, HAS_BIAS,
-                                   HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
+    if NEED_RANKS:  # one head: rank against the target logit _target_kernel wrote
+        labels = tl.load(Labels + rows, mask=row_mask, other=-1)
+        t_acc = tl.load(Target + rows * NUM_HEADS + head, mask=row_mask, other=0.0)
 
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -69,8 +82,6 @@ def _forward_kernel(
     out = rows * NUM_HEADS + head
     partial = split * N * NUM_HEADS + out  # [splits, N, H] partials
     tl.store(Lse + partial, m + tl.log(s), mask=row_mask)
-    if split == 0:
-        tl.store(Target + out, t_acc, mask=row_mask)
     if NEED_SUM:
         tl.store(LogitSum + partial, y_sum, mask=row_mask)
     if NEED_RANKS:
@@ -107,13 +118,17 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     same_pass_ranks = need_ranks and num_heads == 1
     ranks = torch.empty(splits, n, dtype=torch.int64, device=x.device) if same_pass_ranks else labels
     u, lb, rank, stride_u, stride_lb = low_rank_args(low_rank, x)
+    flags = dict(NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
+                 HAS_LOW_RANK=low_rank is not None, **cfg, **dot_settings(x.dtype))
+    _target_kernel[(n_blocks, num_heads)](
+        x, w, bias if bias is not None else x, u, lb, labels, target,
+        n, dh, rank, x.stride(0), w.stride(0), stride_u, stride_lb,
+        float(softcap) if softcap is not None else 1.0, **flags,
+    )
     _forward_kernel[(n_blocks, splits, num_heads)](
         x, w, bias if bias is not None else x, u, lb, labels, lse, target, logit_sum, ranks,
         n, v, per_split, dh, rank, x.stride(0), w.stride(0), stride_u, stride_lb,
-        float(softcap) if softcap is not None else 1.0,
-        NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None,
-        HAS_LOW_RANK=low_rank is not None, NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks,
-        **cfg, **dot_settings(x.dtype),
+        float(softcap) if softcap is not None else 1.0, NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **flags,
     )
     lse = lse[0] if splits == 1 else torch.logsumexp(lse, dim=0)
     logit_sum = (logit_sum[0] if splits == 1 else logit_sum.sum(0)) if need_logit_sum else None
