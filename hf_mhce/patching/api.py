@@ -9,10 +9,11 @@ import torch
 
 from .card import set_card_section
 from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config
-from .families import FAMILIES, LogitFacts, check_structure, model_type, probe_inputs, unsupported
+from .families import (FAMILIES, LogitFacts, check_structure, defined_in_transformers, model_type, probe_inputs,
+                       unsupported)
 from .forward import ABSENT, STATE_ATTR, PatchState, generic_forward, mirrored_signature
 from .head import UnsupportedHeadError, resolve_head
-from .methods import bind_forward, install, live_attr, reaches_patched_forward, remove
+from .methods import bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
 from .methods import unwrap as _unwrap
 
 def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
@@ -38,8 +39,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
 
     if state is None:
         sig = mirrored_signature(type(target))
-        hooked = "_old_forward" in target.__dict__ and hasattr(target, "_hf_hook")
-        attr = "_old_forward" if hooked else "forward"  # keep accelerate's device hook around us
+        attr = forward_attr(target)
         state = PatchState(
             config=cfg, facts=facts, output_cls=out_cls, signature=sig, positional=_positional(sig),
             attr=attr, original=target.__dict__.get(attr, ABSENT),
@@ -50,7 +50,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
     else:
         state.config, state.facts = cfg, facts
         if live_attr(target) is None:  # replaced since (e.g. by Liger): asked again, so put it back
-            state.attr = "_old_forward" if hasattr(target, "_hf_hook") else "forward"
+            state.attr = forward_attr(target)
             bind_forward(target)
     setattr(target.config, CONFIG_KEY, cfg.to_saved())
     state.saves_adapters = state.saves_adapters or model is not target
@@ -162,14 +162,14 @@ def _facts(model, out_cls) -> LogitFacts:
     transformers' own (a user subclass overriding it, remote code), must pass the verification probe."""
     kind = model_type(model)
     facts = FAMILIES.get(kind)
-    module = getattr(type(model).forward, "__module__", None) or "?"
-    own = module.startswith("transformers.")
+    own = defined_in_transformers(type(model).forward)
     if facts is not None and own:
         return facts
     # Probed per instance, never cached per class: a family may transform its logits by a config
     # value (HyperCLOVAX-like scales) that is the identity in one instance and not in the next.
     facts = facts or LogitFacts()
     if not _probe(model, out_cls, facts):
+        module = getattr(type(model).forward, "__module__", "?")
         why = (f"model type {kind!r} is not in the family table" if own else
                f"{type(model).__name__}.forward is defined outside transformers (in {module}), so the fused loss "
                "would bypass it,")

@@ -81,6 +81,11 @@ def unsupported(model: nn.Module, reason: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"cannot patch {type(model).__name__}: {reason}. {requirement_text()}.")
 
 
+def defined_in_transformers(function) -> bool:
+    """Is ``function`` transformers' own (not a user subclass's override, nor remote code's)?"""
+    return (getattr(function, "__module__", None) or "").startswith("transformers.")
+
+
 def model_type(model: nn.Module) -> str | None:
     return getattr(getattr(model, "config", None), "model_type", None)
 

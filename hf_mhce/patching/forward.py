@@ -28,7 +28,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
 from .config import LossConfig
-from .families import LogitFacts, logit_transform
+from .families import LogitFacts, defined_in_transformers, logit_transform
 from .head import fused_operands, mixed_batch_adapters, resolve_head
 from .sharding import call_through
 
@@ -77,8 +77,8 @@ def mirrored_signature(model_class: type) -> inspect.Signature:
     sig = inspect.signature(model_class.forward)
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
         # A subclass's forward(*args, **kwargs) hands them on: the transformers forward it extends names them.
-        stock = next((c.__dict__["forward"] for c in model_class.__mro__[1:] if "forward" in c.__dict__
-                      and (getattr(c.__dict__["forward"], "__module__", None) or "").startswith("transformers.")), None)
+        stock = next((c.__dict__["forward"] for c in model_class.__mro__[1:]
+                      if defined_in_transformers(c.__dict__.get("forward"))), None)
         if stock is not None:
             sig = inspect.signature(stock)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]

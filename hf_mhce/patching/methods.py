@@ -51,6 +51,12 @@ def bind_forward(model: nn.Module) -> None:
     model.__dict__[state.attr] = types.MethodType(make_forward(state.signature, type(model)), model)
 
 
+def forward_attr(model: nn.Module) -> str:
+    """Where a patched forward goes: ``_old_forward`` under an accelerate hook (which calls it, so the
+    hook stays around us), ``forward`` otherwise."""
+    return "_old_forward" if "_old_forward" in model.__dict__ and hasattr(model, "_hf_hook") else "forward"
+
+
 def live_attr(model: nn.Module) -> str | None:
     """Where the patched forward sits now, and the patch state updated to match: accelerate hooks
     added or removed since apply_patch move it between ``forward`` and ``_old_forward``.  None if
