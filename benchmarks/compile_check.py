@@ -38,7 +38,7 @@ from hf_mhce.ops.triton_tile import override_tiles  # noqa: E402
 TARGETS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}  # capability, shared memory per block (bytes)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
           torch.int32: "i32"}
-_OPTIONS = ("num_warps", "num_stages")
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
 def record_launches(run) -> list[tuple]:
@@ -152,21 +152,23 @@ def sweep_candidates():
     """Tile candidates for the sweep: the GPU tile sweep's space, for the two kernels that matter."""
     for kernel, bn, bv, bk, warps in itertools.product(("forward", "backward"), (64, 128), (64, 128, 256), (32, 64),
                                                        (4, 8)):
-        yield kernel, {"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "num_warps": warps}
+        yield "ce bf16 + ranks", kernel, {"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "num_warps": warps}
+    for kernel, bk in itertools.product(("forward", "backward"), (16, 32, 64)):  # float32: FMA, operands in registers
+        yield "ce fp32", kernel, {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": bk, "num_warps": 8}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--sweep", action="store_true", help="also compile candidate tiles (bf16 CE, sm_90a)")
+    p.add_argument("--sweep", action="store_true", help="also compile candidate tiles (bf16 and fp32 CE, sm_90a)")
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
     rows = check({k: VARIANTS[k] for k in args.variants}, args.arch)
     if args.sweep:
-        for kernel, tile in sweep_candidates():
-            rows += [{**row, "variant": f"sweep {kernel}"} for row in
-                     check({"ce bf16 + ranks": VARIANTS["ce bf16 + ranks"]}, ["sm_90a"], {kernel: tile}, f"_{kernel}_kernel")]
+        for variant, kernel, tile in sweep_candidates():
+            rows += [{**row, "variant": f"sweep {kernel}" + (", fp32" if "fp32" in variant else "")} for row in
+                     check({variant: VARIANTS[variant]}, ["sm_90a"], {kernel: tile}, f"_{kernel}_kernel")]
     keys = list(dict.fromkeys(k for r in rows for k in r))
     stamp = datetime.date.today().isoformat()
     lines = [f"# Triton kernels compiled for {', '.join(args.arch)} without a GPU ({stamp}, triton {triton.__version__})",

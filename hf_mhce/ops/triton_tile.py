@@ -24,7 +24,9 @@ def interpreting() -> bool:
 
 
 def dot_settings(dtype: torch.dtype) -> dict:
-    """Constexprs for ``dot``: exact fp32 products for fp32 inputs (no TF32), native otherwise.
+    """Constexprs for ``dot``: exact fp32 products for fp32 inputs (no TF32), native otherwise; and
+    FMA contraction (``enable_fp_fusion``) stated rather than left to Triton's default, which 3.9
+    warns will flip to off in 3.10 and would change the kernels' rounding with the Triton version.
 
     Under the interpreter, ``dot`` sums float32 products in k order instead of calling numpy's
     matmul: numpy has no bfloat16 (upcasting is exact), and its BLAS rounds an entry differently
@@ -34,6 +36,7 @@ def dot_settings(dtype: torch.dtype) -> dict:
     return {
         "DOT_IN_ORDER": interpreting(),
         "PRECISION": "ieee" if dtype == torch.float32 else None,
+        "enable_fp_fusion": True,  # a compile option; the interpreter drops it
     }
 
 
@@ -51,6 +54,10 @@ _GPU_DEFAULTS = {
     "backward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 32, "GROUP_N": 8},
     "ranks": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 64},  # BLOCK_V 128 spills 956 bytes at H=4, 64: 84
 }
+# float32 inputs take exact FMA products (no tensor cores), whose operands sit in registers: at BLOCK_K
+# 32-64 ptxas spills up to 1.5 KB per thread (backward, forward on sm_80); at 16 none, in every kernel
+# (compile-check-2026-11-23.md).  Same BLOCK_K for the three kernels, as the ranks' ties require.
+_GPU_FLOAT32 = {"BLOCK_K": 16}
 _INTERPRETER = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "num_warps": 1, "SPLITS": 1, "GROUP_N": 2}
 _overrides: dict[str, dict] = {}
 
@@ -62,6 +69,8 @@ def launch_config(kernel: str, dtype: torch.dtype, dh: int) -> dict:
         cfg = {k: v for k, v in _INTERPRETER.items() if k in _GPU_DEFAULTS[kernel] or k == "num_warps"}
     else:
         cfg = {**_GPU_DEFAULTS[kernel], "num_warps": 8 if dh >= 64 else 4}
+        if dtype == torch.float32:
+            cfg.update(_GPU_FLOAT32)
     cfg.update(_overrides.get(kernel, {}))
     return cfg
 

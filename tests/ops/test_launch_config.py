@@ -90,6 +90,22 @@ def test_other_tile_shapes(kernel, settings):
         assert_close_scaled(o, r, rtol=1e-5, atol=1e-6, name=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dh", [16, 128])
+def test_gpu_settings_keep_rank_ties(monkeypatch, dtype, dh):
+    """On a GPU the rank kernel must accumulate its tiles like the forward's target tile (same BLOCK_K
+    and num_warps) for exact ties, for every dtype; float32 (FMA products, operands in registers)
+    takes BLOCK_K 16, where no kernel spills (benchmarks/results/compile-check-2026-11-23.md)."""
+    _, tile = _triton()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fwd, ranks, bwd = (tile.launch_config(k, dtype, dh) for k in ("forward", "ranks", "backward"))
+    assert (ranks["BLOCK_K"], ranks["num_warps"]) == (fwd["BLOCK_K"], fwd["num_warps"])
+    if dtype == torch.float32:
+        assert fwd["BLOCK_K"] == bwd["BLOCK_K"] == 16
+    else:
+        assert (fwd["BLOCK_K"], bwd["BLOCK_K"]) == (64, 32)
+
+
 def test_override_is_scoped_and_validated():
     _, tile = _triton()
     before = tile.launch_config("backward", torch.float32, 16)
