@@ -85,7 +85,21 @@ def parse_args(argv=None):
         args.seeds = [0] if args.quick else [0, 1]
     if 1 not in args.heads:
         p.error("--heads must include 1 (the CE baseline)")
+    hidden = _hidden_size(extra, (REDUCED if args.quick else DEFAULT)["hidden_size"])
+    bad = [h for h in args.heads if h < 1 or hidden % h]
+    if bad:  # before any run starts, not as a failed training job
+        p.error(f"--heads {bad}: every H must be a positive divisor of the hidden size {hidden}")
     return args, extra
+
+
+def _hidden_size(extra: list[str], default: int) -> int:
+    """The runs' hidden size: --hidden_size among the options passed through to the job, else the default."""
+    for i, arg in enumerate(extra):
+        if arg.startswith("--hidden_size="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--hidden_size" and i + 1 < len(extra):
+            return int(extra[i + 1])
+    return default
 
 
 # -- analysis ------------------------------------------------------------------------------------

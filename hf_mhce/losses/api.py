@@ -24,8 +24,12 @@ def _autocast(hidden, weight, bias, low_rank=None):
     if not torch.is_autocast_enabled(device_type):
         return hidden, weight, bias, low_rank
     dtype = torch.get_autocast_dtype(device_type)
-    pair = tuple(t.to(dtype) for t in pair) if pair else low_rank
-    return hidden.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None), pair
+
+    def cast(t):  # autocast leaves float64 alone
+        return t if t is None or t.dtype == torch.float64 else t.to(dtype)
+
+    pair = tuple(cast(t) for t in pair) if pair else low_rank
+    return cast(hidden), cast(weight), cast(bias), pair
 
 
 def _reduce(losses, valid, label_shape, reduction, num_items_in_batch):
@@ -33,8 +37,11 @@ def _reduce(losses, valid, label_shape, reduction, num_items_in_batch):
         return losses.view(label_shape)
     total = losses.sum()
     if num_items_in_batch is not None:
-        divisor = torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype)
-        if bool(divisor == 0):
+        divisor = torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype).reshape(())
+        value = float(divisor)  # one sync for both tests
+        if not value >= 0:  # negative or NaN
+            raise ValueError(f"num_items_in_batch must be a count >= 0, got {value}")
+        if value == 0:
             if bool(valid.any()):
                 raise ValueError("num_items_in_batch is 0 but some labels are not ignored")
             return total  # all ignored: 0, with zero gradients
@@ -92,12 +99,13 @@ def multi_head_cross_entropy(
     trains one without a widened [V, D + H*R] copy of the weight, and without computing dW when
     ``weight`` is frozen.  Same dtype and device as ``hidden``.
     """
-    # first: autocast admits mixed dtypes
+    checks.check_not_meta(hidden=hidden, weight=weight, bias=bias, labels=labels, low_rank=low_rank)
+    # then autocast, which admits mixed dtypes
     hidden, weight, bias, low_rank = _autocast(hidden, weight, bias, low_rank)
     checks.check_matrices(hidden, weight, bias)
-    checks.check_heads(num_heads, weight.shape[1])
+    num_heads = checks.check_heads(num_heads, weight.shape[1])
     checks.check_low_rank(low_rank, hidden, weight, num_heads)
-    checks.check_options(reduction, label_smoothing, z_loss, softcap, num_items_in_batch)
+    checks.check_options(reduction, label_smoothing, z_loss, softcap, num_items_in_batch, ignore_index)
     inputs = checks.prepare(hidden, weight, bias, labels, ignore_index)
     low_u, low_b = _flat_low_rank(low_rank, num_heads)
     ops = dispatch.resolve(backend, hidden.device, hidden.dtype)
@@ -154,9 +162,10 @@ def multi_head_logprobs(
     nature, so every device computes it with the blocked torch sweeps (cuBLAS matmuls on GPU).
     ``low_rank`` as in :func:`multi_head_cross_entropy`.
     """
+    checks.check_not_meta(hidden=hidden, weight=weight, bias=bias, low_rank=low_rank)
     hidden, weight, bias, low_rank = _autocast(hidden, weight, bias, low_rank)
     checks.check_matrices(hidden, weight, bias)
-    checks.check_heads(num_heads, weight.shape[1])
+    num_heads = checks.check_heads(num_heads, weight.shape[1])
     checks.check_low_rank(low_rank, hidden, weight, num_heads)
     checks.check_options("mean", 0.0, 0.0, softcap, None)
     lead = hidden.shape[:-1]

@@ -3,6 +3,9 @@ names the problem before any kernel runs."""
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -22,14 +25,35 @@ class LossInputs:
     label_shape: torch.Size
 
 
-def check_heads(num_heads: int, hidden_size: int) -> None:
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+def as_count(value, name: str) -> int:
+    """A positive integer given as any integer type (int, numpy or 0-d torch integers), never a bool."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return count
+
+
+def check_heads(num_heads, hidden_size: int) -> int:
+    """``num_heads`` as an int, checked against the hidden size."""
+    num_heads = as_count(num_heads, "num_heads")
     if hidden_size % num_heads:
         raise ValueError(
             f"num_heads={num_heads} does not divide the hidden size {hidden_size}: "
             f"MHCE splits the hidden state into num_heads equal contiguous slices"
         )
+    return num_heads
+
+
+def check_not_meta(**tensors) -> None:
+    """Before anything reads a device: torch.autocast knows no meta device, and the ops need values."""
+    for name, t in tensors.items():
+        for part in (t if isinstance(t, (tuple, list)) else (t,)):
+            if isinstance(part, torch.Tensor) and part.is_meta:
+                raise ValueError(f"{name} is on the meta device (a shape without values): the loss needs "
+                                 "materialised tensors (e.g. load the weights that init_empty_weights left empty)")
 
 
 def check_matrices(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -40,6 +64,8 @@ def check_matrices(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             raise TypeError(f"{name} must be a floating point tensor, got dtype {t.dtype}")
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [V, D], got shape {tuple(weight.shape)}")
+    if 0 in weight.shape:
+        raise ValueError(f"weight [V, D] must have a vocabulary and a hidden size, got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden's last dimension must equal weight's second: hidden shape {tuple(hidden.shape)}, "
@@ -55,6 +81,9 @@ def check_matrices(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
             raise TypeError("bias must be a floating point tensor")
+        if bias.dtype != weight.dtype:  # as F.linear
+            raise TypeError(f"bias has dtype {bias.dtype} but weight has {weight.dtype}; they must match "
+                            "(cast one, or run under torch.autocast)")
         if tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},) = [V], got {tuple(bias.shape)}")
         if bias.device != weight.device:
@@ -85,17 +114,42 @@ def check_low_rank(low_rank, hidden: torch.Tensor, weight: torch.Tensor, num_hea
         )
 
 
-def check_options(reduction: str, label_smoothing: float, z_loss: float, softcap, num_items_in_batch) -> None:
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def check_options(reduction: str, label_smoothing: float, z_loss: float, softcap, num_items_in_batch,
+                  ignore_index: int = -100) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
+    if not 0.0 <= _number(label_smoothing, "label_smoothing") <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not float(z_loss) >= 0.0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not float(softcap) > 0.0:
-        raise ValueError(f"softcap must be a positive number (or None), got {softcap}")
-    if num_items_in_batch is not None and reduction == "none":
-        raise ValueError("num_items_in_batch divides a summed loss; it cannot be combined with reduction='none'")
+    z = _number(z_loss, "z_loss")
+    if not (z >= 0.0 and math.isfinite(z)):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if softcap is not None:
+        c = _number(softcap, "softcap")
+        if not (c > 0.0 and math.isfinite(c)):
+            raise ValueError(f"softcap must be a finite positive number (or None), got {softcap}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if num_items_in_batch is not None:
+        check_item_count(num_items_in_batch)
+        if reduction == "none":
+            raise ValueError("num_items_in_batch divides a summed loss; it cannot be combined with reduction='none'")
+
+
+def check_item_count(count) -> None:
+    """The type of ``num_items_in_batch``: a number, or a one-element tensor (what the Trainer passes).
+    Its sign is checked where it is used (one device sync with its zero test)."""
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1 or count.dtype == torch.bool or count.is_complex():
+            raise TypeError(f"num_items_in_batch must be a number or a one-element real tensor, got a {count.dtype} "
+                            f"tensor of shape {tuple(count.shape)}")
+    elif isinstance(count, bool) or not isinstance(count, numbers.Real):
+        raise TypeError(f"num_items_in_batch must be a number or a one-element tensor, got {count!r}")
 
 
 def prepare(hidden, weight, bias, labels, ignore_index: int) -> LossInputs:

@@ -4,10 +4,30 @@ the inputs the way autocast would, and the statistics must stay float32."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from ..ops import mixture, torch_sweep
+
+
+def differentiable_once(backward):
+    """``once_differentiable``, refusing ``create_graph=True`` outright.  once_differentiable only
+    errs when the incoming gradient requires grad, which after a reduction (mean, sum) it does not:
+    a double backward (gradient penalty, ``autograd.grad(..., create_graph=True)``) would then
+    silently miss every second-order term through the loss."""
+
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():  # the engine enables grad mode inside backward iff create_graph
+            raise RuntimeError(
+                "hf_mhce's fused losses are differentiable once: backward with create_graph=True (double "
+                "backward, gradient penalties) is not supported, as its second-order terms would be missing. "
+                "Compute such a loss from full logits (F.cross_entropy) instead.")
+        return once_differentiable(backward)(ctx, *grads)
+
+    return checked
 
 
 def _pair(low_u, low_b):
@@ -46,7 +66,7 @@ class MultiHeadTokenLoss(torch.autograd.Function):
         return losses
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad_tokens):
         hidden, weight, bias, low_u, low_b, labels, valid, lse, target = ctx.saved_tensors
         num_heads, softcap, label_smoothing, z_loss, ops = ctx.options
@@ -78,7 +98,7 @@ class MixtureLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx, grad):
         hidden, weight, bias, low_u, low_b, lse, out = ctx.saved_tensors
         num_heads, softcap = ctx.options

@@ -11,7 +11,7 @@ from .card import set_card_section
 from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config
 from .families import (FAMILIES, LogitFacts, check_structure, defined_in_transformers, model_type, probe_inputs,
                        unsupported)
-from .forward import ABSENT, STATE_ATTR, PatchState, generic_forward, mirrored_signature
+from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, generic_forward, mirrored_signature
 from .head import UnsupportedHeadError, resolve_head
 from .methods import bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
 from .methods import unwrap as _unwrap
@@ -44,6 +44,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             config=cfg, facts=facts, output_cls=out_cls, signature=sig, positional=_positional(sig),
             attr=attr, original=target.__dict__.get(attr, ABSENT),
             original_config=saved if saved is not None else ABSENT,
+            original_accepts=target.__dict__.get(_ACCEPTS, ABSENT),
         )
         target.__dict__[STATE_ATTR] = state
         bind_forward(target)
@@ -53,11 +54,27 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             state.attr = forward_attr(target)
             bind_forward(target)
     setattr(target.config, CONFIG_KEY, cfg.to_saved())
+    _restore_attr(target, _ACCEPTS, False if cfg.ignore_index != TRAINER_IGNORE_INDEX else state.original_accepts)
     state.saves_adapters = state.saves_adapters or model is not target
     install(target)
     if model is not target:  # a PeftModel saves its adapters itself
         install(model)
     return model
+
+
+# transformers' Trainer reads ``model.accepts_loss_kwargs`` at init to decide whether to pass
+# num_items_in_batch, which it counts as labels != -100.  With another ignore_index that count would
+# include the ignored tokens, so the patched model says no: each micro-batch then averages its own
+# tokens, as for any model without loss kwargs (the forward refuses a count it cannot trust).
+_ACCEPTS = "accepts_loss_kwargs"
+
+
+def _restore_attr(target, name: str, value) -> None:
+    """Set an instance attribute, or remove it for ABSENT."""
+    if value is ABSENT:
+        target.__dict__.pop(name, None)
+    else:
+        target.__dict__[name] = value
 
 
 def add_card_section(model, title: str, render) -> None:
@@ -85,6 +102,7 @@ def unpatch(model):
         target.__dict__.pop(attr, None)
     for holder in (target, model):
         remove(holder)
+    _restore_attr(target, _ACCEPTS, state.original_accepts)
     if state.original_config is ABSENT:
         if hasattr(target.config, CONFIG_KEY):
             delattr(target.config, CONFIG_KEY)

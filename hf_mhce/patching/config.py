@@ -17,6 +17,7 @@ import numbers
 import os
 from dataclasses import dataclass
 
+from ..losses.checks import as_count
 from ..losses.dispatch import BACKENDS
 
 CONFIG_KEY = "hf_mhce"
@@ -62,9 +63,8 @@ class LossConfig:
     def __post_init__(self):
         if self.loss not in LOSSES:
             raise ValueError(f"unknown loss {self.loss!r}: hf_mhce supports loss in {LOSSES}")
-        heads = self.num_heads
-        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
-            raise ValueError(f"num_heads must be a positive int, got {heads!r}")
+        heads = as_count(self.num_heads, "num_heads")  # numpy / 0-d torch integers too
+        object.__setattr__(self, "num_heads", heads)
         if self.loss == "ce" and heads != 1:
             raise ValueError(f"num_heads={heads} only applies to loss='mhce'; loss='ce' has a single head")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
@@ -131,6 +131,8 @@ def resolve_config(
     ``model.config``, else the defaults; ``loss``/``num_heads``/``options`` given explicitly replace
     those fields.  Changing a recorded ``loss`` or ``num_heads`` raises unless ``override_saved``.
     """
+    if not isinstance(override_saved, bool):
+        raise TypeError(f"override_saved must be a bool, got {override_saved!r}")
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
         raise TypeError(f"unknown apply_patch option(s) {unknown}; valid options: {list(OPTION_NAMES)}")
@@ -157,8 +159,8 @@ def resolve_config(
         now = (cfg.loss, cfg.num_heads)
         if was != now:
             raise SavedLossMismatchError(
-                f"this model's config records {CONFIG_KEY}: loss={was[0]!r}, num_heads={was[1]} (its logits "
-                f"were trained to mean that distribution), but loss={now[0]!r}, num_heads={now[1]} was "
-                f"requested. Pass override_saved=True to apply_patch to change it deliberately."
+                f"this model's config records {CONFIG_KEY}: loss={was[0]!r}, num_heads={was[1]} (saved with the "
+                f"checkpoint or set by an earlier apply_patch: what its outputs mean), but loss={now[0]!r}, "
+                f"num_heads={now[1]} was requested. Pass override_saved=True to apply_patch to change it deliberately."
             )
     return cfg

@@ -19,7 +19,7 @@ import inspect
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from .sharding import call_through
 STATE_ATTR = "_hf_mhce_patch"
 # Keywords the CausalLM forward consumes itself and must not pass to the decoder.
 _LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+TRAINER_IGNORE_INDEX = -100  # what transformers' Trainer assumes when it counts num_items_in_batch
 
 
 @dataclass
@@ -50,6 +51,7 @@ class PatchState:
     original: object  # the instance attribute we replaced, or _ABSENT
     original_config: object  # model.config.hf_mhce before the first patch, or _ABSENT
     saves_adapters: bool = False  # a PeftModel around the model was patched too (writes hf_mhce.json)
+    original_accepts: object = field(default_factory=lambda: ABSENT)  # instance's accepts_loss_kwargs before
     warned_adapter_save: bool = False
 
 
@@ -200,6 +202,8 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
     shift_labels = shift_labels.to(hidden.device)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(hidden.device)
+    if num_items_in_batch is not None and ignore_index != TRAINER_IGNORE_INDEX:
+        _check_item_count_ignores(shift_labels, ignore_index)
     multiply, divide, softcap = logit_transform(model, state.facts)
     scale = (multiply or 1.0) / (divide or 1.0)
     head = model.get_output_embeddings()
@@ -219,6 +223,19 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
         options["num_items_in_batch"] = (shift_labels != ignore_index).sum().clamp_min(1)
     return sum(call_through(head, functools.partial(fused, adapter=name), hidden[rows], shift_labels[rows])
                for name, rows in _adapter_groups(names, hidden))
+
+
+def _check_item_count_ignores(shift_labels, ignore_index) -> None:
+    """transformers' Trainer counts num_items_in_batch as labels != -100: with another ignore_index in
+    the labels that count takes the ignored tokens in too, and the loss would be divided by too many.
+    A Trainer created after apply_patch never passes it then (api._ACCEPTS)."""
+    if bool((shift_labels == ignore_index).any()):
+        raise ValueError(
+            f"num_items_in_batch was passed with labels that hold ignore_index={ignore_index} tokens. transformers' "
+            f"Trainer counts num_items_in_batch as labels != {TRAINER_IGNORE_INDEX}, so it would count these "
+            f"ignored tokens and the loss would come out too small. Create the Trainer after apply_patch (the "
+            f"patched model then asks it for no count, and each batch averages its own tokens), or mark ignored "
+            f"labels with {TRAINER_IGNORE_INDEX}.")
 
 
 def _adapter_groups(names, hidden):

@@ -234,3 +234,19 @@ def test_power_law_fit_recovers_exponent():
     assert 0.0 <= noisy["r2"] < 1.0
     assert scaling.model_options("192x4", 32) == {"hidden_size": 192, "num_hidden_layers": 4,
                                                   "num_attention_heads": 6, "intermediate_size": 512}
+
+
+@pytest.mark.parametrize("argv,bad", [(["--quick", "--heads", "1", "3"], "[3]"),  # hidden 32
+                                      (["--heads", "1", "5"], "[5]"),  # hidden 192
+                                      (["--quick", "--heads", "1", "6", "--hidden_size", "36"], None),
+                                      (["--quick", "--heads", "1", "8", "--hidden_size=36"], "[8]")])
+def test_mhce_vs_ce_refuses_heads_that_do_not_divide_the_hidden_size(argv, bad, capsys):
+    """Before any run starts (it used to fail as a training job with a traceback)."""
+    mvc = load("mhce_vs_ce")
+    if bad is None:
+        args, extra = mvc.parse_args(argv)
+        assert args.heads == [1, 6] and extra == ["--hidden_size", "36"]
+        return
+    with pytest.raises(SystemExit):
+        mvc.parse_args(argv)
+    assert f"--heads {bad}: every H must be a positive divisor of the hidden size" in capsys.readouterr().err

@@ -66,6 +66,8 @@ def test_config_dataclass_round_trip():
     typed = LossConfig(label_smoothing=numpy.float32(0.25), z_loss=0, ignore_index=numpy.int64(-1), backend="Torch")
     assert typed.to_saved() == {**LossConfig().to_saved(), "label_smoothing": 0.25, "z_loss": 0.0, "ignore_index": -1}
     assert type(typed.label_smoothing) is float and type(typed.z_loss) is float and type(typed.ignore_index) is int
+    heads = LossConfig(loss="mhce", num_heads=numpy.int64(4))  # integer types alike, for num_heads too
+    assert type(heads.num_heads) is int and heads.to_saved()["num_heads"] == 4
     # configs saved before return_logits became a runtime field still load (the key is ignored)
     assert LossConfig.from_saved({**saved, "return_logits": False}).return_logits is None
 

@@ -98,6 +98,8 @@ def test_changing_a_recorded_loss_needs_override(tmp_path):
         apply_patch(loaded, loss="mhce", num_heads=2)
     with pytest.raises(ValueError, match="override_saved"):
         hf_mhce.from_pretrained(tmp_path / "mhce", loss="ce")
+    with pytest.raises(TypeError, match="override_saved must be a bool"):  # "no" is truthy
+        apply_patch(loaded, loss="ce", override_saved="no")
     apply_patch(loaded, loss="mhce")  # same loss, heads from the config: fine
     assert loaded.config.hf_mhce["num_heads"] == H
     apply_patch(loaded, loss="ce", override_saved=True)

@@ -152,3 +152,46 @@ def test_compute_metrics_with_replicas_in_threads(tmp_path):
                               compute_metrics=lambda p: seen.append(p.predictions) or {})
     trainer.evaluate()
     assert seen[0].shape == (8, 16, model.config.vocab_size)
+
+
+def _pad_with(rows, value):
+    return [{"input_ids": r["input_ids"], "labels": torch.where(r["labels"] == -100, value, r["labels"])} for r in rows]
+
+
+def test_custom_ignore_index_with_trainer(tmp_path):
+    """The Trainer counts num_items_in_batch as labels != -100: with ignore_index=-1 that count took
+    the -1 padding in, and the step loss came out several times too small.  A Trainer created after
+    apply_patch now passes no count (each batch averages its own tokens: one micro-batch per step
+    here, so the unpatched model's -100 run is the reference); one created before meets a clear error."""
+    data = token_dataset(32, ragged=True)
+    ref = make_model("llama")
+    model = apply_patch(twin(ref), ignore_index=-1)
+    _, ref_losses = _train(ref, tmp_path / "ref", data, steps=4)
+    trainer, losses = _train(model, tmp_path / "patched", _pad_with(data, -1), steps=4)
+    assert not trainer.model_accepts_loss_kwargs
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+
+    fresh = make_model("llama")
+    early = Trainer(model=fresh, args=TrainingArguments(output_dir=str(tmp_path / "early"), max_steps=1,
+                                                        report_to="none", use_cpu=True, save_strategy="no"),
+                    train_dataset=_pad_with(data, -1))
+    apply_patch(fresh, ignore_index=-1)  # after the Trainer read accepts_loss_kwargs
+    with pytest.raises(ValueError, match="counts num_items_in_batch as labels != -100"):
+        early.train()
+
+
+def test_accepts_loss_kwargs_follows_the_patch():
+    from hf_mhce.patching import unpatch
+
+    model = make_model("gpt2")
+    model.accepts_loss_kwargs = True  # a user's own setting comes back
+    apply_patch(model, ignore_index=-1)
+    assert model.accepts_loss_kwargs is False
+    apply_patch(model, ignore_index=-100)
+    assert model.accepts_loss_kwargs is True
+    apply_patch(model, ignore_index=0)
+    unpatch(model)
+    assert model.accepts_loss_kwargs is True
+    plain = make_model("gpt2")
+    unpatch(apply_patch(plain, ignore_index=-1))
+    assert "accepts_loss_kwargs" not in plain.__dict__
