@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import weakref
 
 import torch
 from transformers import TrainerCallback
@@ -70,6 +71,7 @@ class RBECallback(TrainerCallback):
         self._hooks: list = []
         self._entered: list = []  # collect_ranks contexts of the forwards in progress
         self._late = False  # attached during an evaluation: its first batch went uncounted
+        self._loader, self._loader_pass = None, None  # the eval dataloader (weak) and pass being counted
 
     # -- collection -------------------------------------------------------------------------
     def _sink(self, ranks, nll):
@@ -86,7 +88,7 @@ class RBECallback(TrainerCallback):
         self._batch = []  # a new forward: what came before is no part of this batch
         saved = getattr(getattr(module, "config", None), CONFIG_KEY, None) or {}
         ignore_index = kwargs.get("ignore_index", saved.get("ignore_index", -100))
-        self._labels = (kwargs.get("labels"), kwargs.get("shift_labels"), ignore_index)
+        self._labels = (kwargs.get("labels"), kwargs.get("shift_labels"), ignore_index, kwargs.get("position_ids"))
         outer = active_sink()  # e.g. hf_mhce.rbe.evaluate on this model: feed it as well
         sink = self._sink if outer is None else _fan_out(self._sink, outer)
         cm = collect_ranks(sink)
@@ -137,6 +139,8 @@ class RBECallback(TrainerCallback):
             if model is not None:
                 self._attach(model)  # this batch was missed
                 self._late = True
+        if self._new_evaluation(eval_dataloader):
+            self._running = None  # an earlier evaluation that raised before its log is no part of this one
         if self._batch:
             ranks = torch.cat([r for r, _ in self._batch])
             nll = torch.cat([n for _, n in self._batch])
@@ -145,6 +149,19 @@ class RBECallback(TrainerCallback):
                 self._running = RBEStats(self._vocab_size, device="cpu")
             self._running.add(ranks[:keep], nll[:keep])
         self._batch, self._labels = [], None
+
+    def _new_evaluation(self, loader) -> bool:
+        """Is this the first batch of an evaluation loop?  The Trainer has no "evaluation begins" event;
+        a loop is a pass over one eval dataloader (a new object per ``evaluate()``, and accelerate's
+        ``iteration`` counts the completed passes of a reused one)."""
+        if loader is None:
+            return False
+        key = getattr(loader, "iteration", None)
+        current = self._loader() if self._loader is not None else None
+        if current is loader and key == self._loader_pass:
+            return False
+        self._loader, self._loader_pass = weakref.ref(loader), key
+        return True
 
     def _real_tokens(self, loader, calls: int, tokens: int) -> int:
         """How many of the batch's tokens belong to real samples.  Under accelerate's ``even_batches``
@@ -157,14 +174,14 @@ class RBECallback(TrainerCallback):
         if (not getattr(loader, "end_of_dataloader", False) or remainder is None or remainder <= 0
                 or not getattr(sampler, "even_batches", False) or getattr(sampler, "num_processes", 1) <= 1):
             return tokens
-        per_row = _row_tokens(*self._labels) if self._labels is not None and calls == 1 else None
-        if per_row is None or int(per_row.sum()) != tokens:
+        per_sample = _sample_tokens(*self._labels) if self._labels is not None and calls == 1 else None
+        if per_sample is None or int(per_sample.sum()) != tokens:
             logger.warning("RBECallback: cannot tell the padding samples of the last evaluation batch from the "
                            "real ones; the RBE statistics count them (eval_loss does not)")
             return tokens
-        rows = per_row.numel()
-        real_rows = max(0, min(rows, remainder - sampler.process_index * rows))
-        return int(per_row[:real_rows].sum())
+        samples = per_sample.numel()
+        real = max(0, min(samples, remainder - sampler.process_index * samples))
+        return int(per_sample[:real].sum())
 
     def on_predict(self, args, state, control, **kwargs):
         self._running, self._batch, self._late = None, [], False  # predict() batches are not an evaluation
@@ -190,9 +207,10 @@ class RBECallback(TrainerCallback):
                     "RBECallback needs a model patched with hf_mhce.apply_patch(model, ...): the ranks "
                     "are counted inside the fused loss, which an unpatched model never calls"
                 )
-            logger.warning("RBECallback: evaluation %r counted no token: either every label was ignored, or the "
-                           "model got no labels because the Trainer computes the loss itself (a compute_loss_func "
-                           "given to Trainer, or label_smoothing_factor > 0), so there are no RBE metrics", prefix)
+            logger.warning("RBECallback: evaluation %r counted no token, so there are no RBE metrics: the batches "
+                           "had no labels (the eval set has no 'labels' column and the data collator adds none, e.g. "
+                           "use DataCollatorForLanguageModeling(tokenizer, mlm=False)), every label was ignored, or "
+                           "the Trainer computes the loss itself (a compute_loss_func given to Trainer)", prefix)
             return
         d = stats.decompose()
         metrics = {f"{prefix}_rbe_{k}": getattr(d, k) for k in METRICS}
@@ -218,9 +236,11 @@ class RBECallback(TrainerCallback):
         for prefix, r in latest.items():
             lines.append(f"| {prefix} | {r['step']} | {r['num_tokens']} | {r['cross_entropy']:.4f} | "
                          f"{r['error_entropy']:.4f} | {r['self_alignment']:.4f} | {r['confidence']:.4f} | {r['top1']:.3f} |")
+        from .plots import plot_path
+
         plots = [f"[{prefix} {kind.replace('_', ' ')}]({os.path.relpath(path, save_directory)})"
                  for prefix in latest for kind in ("components", "rank_distribution")
-                 if self._plot_dir and os.path.exists(path := os.path.join(self._plot_dir, f"{prefix}_{kind}.png"))]
+                 if self._plot_dir and os.path.exists(path := plot_path(self._plot_dir, prefix, kind))]
         if plots:
             lines += ["", "Plots: " + ", ".join(plots)]
         return "\n".join(lines)
@@ -257,15 +277,25 @@ def _check_arguments(args) -> None:
         )
 
 
-def _row_tokens(labels, shift_labels, ignore_index):
-    """Counted tokens per row of a [B, T] batch, as the patched loss counts them (None if unknown)."""
+def _sample_tokens(labels, shift_labels, ignore_index, position_ids=None):
+    """Counted tokens per sample of a [B, T] batch, in order, as the patched loss counts them (None
+    if unknown).  A row is one sample, or several packed ones (DataCollatorWithFlattening): each
+    starts where ``position_ids`` is 0, and the token before a start predicts nothing of its own."""
     if shift_labels is None:
         if not torch.is_tensor(labels) or labels.dim() != 2:
             return None
         shift_labels = labels[:, 1:]  # the last position predicts nothing
     if not torch.is_tensor(shift_labels) or shift_labels.dim() != 2:
         return None
-    return (shift_labels != ignore_index).sum(1).cpu()
+    counted = (shift_labels != ignore_index).cpu()
+    rows, width = counted.shape
+    if not torch.is_tensor(position_ids) or position_ids.dim() != 2 or position_ids.shape[0] != rows \
+            or position_ids.shape[1] < width:
+        return counted.sum(1)
+    starts = position_ids.cpu() == 0
+    starts[:, 0] = True
+    sample = starts.reshape(-1).cumsum(0).reshape(starts.shape)[:, :width] - 1  # sample of each predicting token
+    return torch.zeros(int(starts.sum()), dtype=torch.long).index_add_(0, sample.reshape(-1), counted.reshape(-1).long())
 
 
 def _fan_out(*sinks):
@@ -277,9 +307,13 @@ def _fan_out(*sinks):
 
 
 def _evaluation_prefix(logs: dict) -> str | None:
-    """``metric_key_prefix`` of an evaluation's logs (they carry ``<prefix>_runtime``), else None."""
+    """``metric_key_prefix`` of an evaluation's logs (they carry ``<prefix>_runtime``), else None.
+    "train" is one too (``evaluate(train_set, metric_key_prefix="train")``), except in the training's
+    own summary (with ``total_flos``) and its token-speed logs (no loss, no samples per second)."""
+    if "total_flos" in logs:
+        return None
     for key in logs:
-        if key.endswith("_runtime") and key != "train_runtime":
+        if key.endswith("_runtime"):
             prefix = key[: -len("_runtime")]
             if f"{prefix}_loss" in logs or f"{prefix}_samples_per_second" in logs:
                 return prefix

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,23 @@ class RBEReport:
         return "\n".join(lines)
 
 
-def pad_collate(rows: list[dict], pad_id: int = 0) -> dict:
-    """Right-pad ``input_ids`` (and ``labels``, with -100) of variable-length rows."""
+def _as_row(row) -> Mapping:
+    """A dict with ``input_ids``; a bare sequence of token ids (list, 1-D tensor) is one."""
+    if isinstance(row, Mapping):
+        if "input_ids" not in row:
+            raise ValueError(f"each row needs an 'input_ids' entry (token ids), got keys {sorted(row)}")
+        return row
+    if isinstance(row, (str, bytes)) or not (isinstance(row, (Sequence, torch.Tensor)) and torch.as_tensor(row).dim() == 1):
+        raise TypeError(f"rows must be dicts with 'input_ids' or sequences of token ids (tokenize text first), "
+                        f"got {type(row).__name__}: {str(row)[:60]!r}")
+    return {"input_ids": row}
+
+
+def pad_collate(rows: list, pad_id: int = 0) -> dict:
+    """Right-pad ``input_ids`` (and ``labels``, with -100) of variable-length rows: dicts with
+    ``input_ids`` (optionally ``labels`` and ``attention_mask``; without labels, the masked positions
+    are no targets), or bare sequences of token ids."""
+    rows = [_as_row(r) for r in rows]
     longest = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), longest), -100, dtype=torch.long)
@@ -47,8 +63,10 @@ def pad_collate(rows: list[dict], pad_id: int = 0) -> dict:
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         ids[i, :n] = torch.as_tensor(r["input_ids"])
-        labels[i, :n] = torch.as_tensor(r.get("labels", r["input_ids"]))
-        mask[i, :n] = 1
+        # a row's own mask (e.g. tokenizer(..., padding="max_length")) keeps its padding out of the targets
+        mask[i, :n] = torch.as_tensor(r["attention_mask"]) if r.get("attention_mask") is not None else 1
+        own = r.get("labels")
+        labels[i, :n] = torch.as_tensor(own) if own is not None else ids[i, :n].masked_fill(mask[i, :n] == 0, -100)
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
@@ -71,7 +89,8 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
 
     data: a DataLoader yielding dicts with ``input_ids`` (optionally ``labels``, unshifted as
         transformers expects, and ``attention_mask``), or any sequence of such rows (e.g. a
-        datasets.Dataset with an ``input_ids`` column), padded per batch.
+        datasets.Dataset with an ``input_ids`` column) or of bare token-id sequences (a [B, T]
+        tensor, a list of id lists), padded per batch.
     A model inside ``nn.DataParallel`` or ``DistributedDataParallel`` is evaluated through
     ``model.module``.  An unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
     cross-entropy) and restored afterwards; the ranks come from the fused loss sweep.

@@ -69,9 +69,16 @@ def plot_components(history: list[dict], prefix: str, path: str) -> str:
     return path
 
 
+def plot_path(directory: str, prefix: str, kind: str) -> str:
+    """``<directory>/<prefix>_<kind>.png``; a prefix from an eval-set name may hold a path separator
+    (a hub id such as "allenai/c4" as the dict key), which must not become a subdirectory."""
+    safe = prefix.replace("/", "_").replace(os.sep, "_")
+    return os.path.join(directory, f"{safe}_{kind}.png")
+
+
 def plot_evaluation(directory: str, prefix: str, stats: RBEStats, history: list[dict]) -> list[str]:
     os.makedirs(directory, exist_ok=True)
     return [
-        plot_rank_distribution(stats, os.path.join(directory, f"{prefix}_rank_distribution.png"), prefix),
-        plot_components(history, prefix, os.path.join(directory, f"{prefix}_components.png")),
+        plot_rank_distribution(stats, plot_path(directory, prefix, "rank_distribution"), prefix),
+        plot_components(history, prefix, plot_path(directory, prefix, "components")),
     ]

@@ -138,13 +138,21 @@ def test_top_level_exports():
     assert callable(hf_mhce.from_pretrained)
 
 
-def test_all_ignored_batch_is_finite():
-    # HF's mean over zero targets is 0/0 = NaN; the fused loss gives 0 and zero gradients instead
-    model = apply_patch(make_model("llama"))
+@pytest.mark.parametrize("num_items", [None, 0, 7])
+def test_all_ignored_batch(num_items):
+    """HF's loss of a batch without targets is 0/0 = NaN (0 / count with a count of a larger batch),
+    and the Trainer's evaluation leaves NaN batches out of eval_loss: the same values, with zero
+    gradients where HF's would be NaN."""
+    ref = make_model("llama")
+    model = apply_patch(twin(ref))
     ids, _ = batch()
-    loss = model(input_ids=ids, labels=torch.full_like(ids, -100)).loss
+    labels = torch.full_like(ids, -100)
+    kw = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    want = ref(input_ids=ids, labels=labels, **kw).loss
+    loss = model(input_ids=ids, labels=labels, **kw).loss
+    torch.testing.assert_close(loss, want, equal_nan=True)
+    assert loss.isnan() == (num_items in (None, 0))
     loss.backward()
-    assert loss.item() == 0.0
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     as_tuple = model(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
     assert len(as_tuple) == 1 and as_tuple[0].dim() == 0  # (loss,): logits None are left out, as in HF

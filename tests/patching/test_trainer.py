@@ -195,3 +195,18 @@ def test_accepts_loss_kwargs_follows_the_patch():
     plain = make_model("gpt2")
     unpatch(apply_patch(plain, ignore_index=-1))
     assert "accepts_loss_kwargs" not in plain.__dict__
+
+
+def test_eval_loss_with_a_batch_without_targets(tmp_path):
+    """The Trainer leaves NaN batch losses out of eval_loss (logging_nan_inf_filter): HF's all-ignored
+    batch is NaN, the fused loss's was 0 and halved eval_loss here.  The same eval_loss now."""
+    rows = token_dataset(8, seed=4)
+    for r in rows[:4]:  # the first eval batch of 4 has no target
+        r["labels"] = torch.full_like(r["labels"], -100)
+    ref = make_model("llama")
+    results = []
+    for model in (ref, apply_patch(twin(ref))):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to="none",
+                                 use_cpu=True, disable_tqdm=True)
+        results.append(Trainer(model=model, args=args, eval_dataset=rows).evaluate()["eval_loss"])
+    assert math.isfinite(results[0]) and results[1] == pytest.approx(results[0], rel=1e-5)

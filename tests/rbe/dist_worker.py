@@ -49,7 +49,7 @@ def run(out_dir: str) -> dict:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
-    from transformers import Trainer, TrainingArguments
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
     from transformers.utils import logging as hf_logging
 
     from hf_mhce import RBECallback
@@ -63,12 +63,19 @@ def run(out_dir: str) -> dict:
     trainer = Trainer(model=model(), args=args, eval_dataset=eval_sets(), callbacks=[callback])
     with contextlib.redirect_stdout(io.StringIO()):
         metrics = trainer.evaluate()
+    # packed rows (one row of 2 samples per process and batch): the padding sample accelerate adds to
+    # the last batch shares a row with a real one, and must not be counted either
+    packed = RBECallback()
+    flat = Trainer(model=trainer.model, args=args, eval_dataset=eval_sets()["ragged"], callbacks=[packed],
+                   data_collator=DataCollatorWithFlattening())
+    with contextlib.redirect_stdout(io.StringIO()):
+        metrics.update(flat.evaluate(metric_key_prefix="packed"))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     result = {
         "world_size": world,
         "trainer": {"metrics": {k: v for k, v in metrics.items() if "_rbe_" in k},
-                    "stats": {p: _stats(s) for p, s in callback.last_stats.items()}},
+                    "stats": {p: _stats(s) for p, s in {**callback.last_stats, **packed.last_stats}.items()}},
     }
     rows = eval_sets()["mixed"]  # a DistributedSampler pads uneven sets: this one splits evenly
     sampler = DistributedSampler(rows, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None

@@ -232,3 +232,44 @@ def test_loss_computed_by_the_trainer_is_named_when_nothing_is_counted(tmp_path,
     with caplog.at_level(logging.WARNING, logger="hf_mhce.rbe.callback"):
         metrics = trainer.evaluate()
     assert not _rbe(metrics) and "compute_loss_func" in caplog.text
+
+
+def test_each_evaluation_counts_only_its_own_batches(tmp_path):
+    """Nothing resets the statistics but an evaluation's log: an evaluation with metric_key_prefix
+    "train" went unreported and its tokens were added to the next one, as were those of an evaluation
+    whose compute_metrics raised.  Both now stand alone; "train" evaluations are reported."""
+    trainer, _ = _eval_trainer(tmp_path / "a")
+    base = _rbe(trainer.evaluate())
+    on_train = _rbe(trainer.evaluate(token_dataset(4, seed=8), metric_key_prefix="train"))
+    assert on_train["train_rbe_num_tokens"] == 4 * 15
+    assert _rbe(trainer.evaluate()) == base
+
+    def failing(_):
+        raise RuntimeError("metric bug")
+
+    trainer.compute_metrics = failing
+    with pytest.raises(RuntimeError, match="metric bug"):
+        trainer.evaluate()
+    trainer.compute_metrics = None
+    assert _rbe(trainer.evaluate()) == base
+
+
+def test_a_data_loader_reused_across_evaluations(tmp_path):
+    """A reused eval dataloader (persistent workers) is told apart by accelerate's pass counter."""
+    trainer, _ = _eval_trainer(tmp_path / "a")
+    loader = trainer.get_eval_dataloader()
+    trainer.get_eval_dataloader = lambda *a, **k: loader
+    base = _rbe(trainer.evaluate())
+    assert base["eval_rbe_num_tokens"] == 6 * 15 and _rbe(trainer.evaluate()) == base
+
+
+def test_plots_of_an_eval_set_named_like_a_hub_id(tmp_path):
+    pytest.importorskip("matplotlib")
+    model = _patched("ce")
+    trainer = Trainer(model=model, args=_args(tmp_path), eval_dataset={"allenai/c4": token_dataset(4)},
+                      callbacks=[RBECallback(plot=True)])
+    assert _rbe(trainer.evaluate())["eval_allenai/c4_rbe_num_tokens"] == 4 * 15
+    assert sorted(p.name for p in (tmp_path / "rbe").iterdir()) == [
+        "eval_allenai_c4_components.png", "eval_allenai_c4_rank_distribution.png"]
+    card = trainer.callback_handler.callbacks[0].card_markdown(str(tmp_path))
+    assert "rbe/eval_allenai_c4_components.png" in card

@@ -231,3 +231,37 @@ def test_a_directory_without_data_is_named(tmp_path):
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text("one line\nanother line\n")
     assert load_texts(str(tmp_path / "texts"), split="train")["text"] == ["one line", "another line"]
+
+
+def test_evaluate_bare_token_id_rows():
+    """"A dataset of token ids": a [B, T] tensor and a list of id lists are rows of input_ids too;
+    what is not token ids is named."""
+    model = tiny_gpt2()
+    ids = torch.randint(0, VOCAB, (5, 11), generator=torch.Generator().manual_seed(4))
+    want = evaluate(model, [{"input_ids": r} for r in ids]).decomposition.cross_entropy
+    for data in (ids, ids.tolist(), list(ids)):
+        assert evaluate(model, data).decomposition.cross_entropy == pytest.approx(want, rel=1e-6)
+    _check_against_reference(evaluate(model, ids), model, [{"input_ids": r.tolist()} for r in ids])
+    with pytest.raises(TypeError, match="tokenize text first"):
+        evaluate(model, ["some text", "more text"])
+    with pytest.raises(ValueError, match="'input_ids' entry"):
+        evaluate(model, [{"text": "hello"}])
+
+
+def test_rows_with_their_own_attention_mask():
+    """Rows padded by the tokenizer (padding="max_length") carry an attention_mask: the padding is no
+    target, as with a DataLoader over the same rows (it used to be counted: 33 tokens for 15)."""
+    model = tiny_gpt2()
+    g = torch.Generator().manual_seed(7)
+    rows, real = [], []
+    for length in (5, 9, 3):
+        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+        real.append({"input_ids": ids})
+        rows.append({"input_ids": ids + [0] * (12 - length), "attention_mask": [1] * length + [0] * (12 - length)})
+    report = evaluate(model, rows)
+    assert report.decomposition.num_tokens == (5 - 1) + (9 - 1) + (3 - 1)
+    nll, ranks, _ = reference_token_stats(model, real)
+    assert report.decomposition.cross_entropy == pytest.approx(nll.mean().item(), rel=1e-5)
+    assert torch.equal(report.stats.counts, rank_histogram(ranks, report.stats.vocab_size).to(report.stats.counts.dtype))
+    batch = pad_collate(rows)
+    assert (batch["labels"] == -100).sum() == 3 * 12 - 17 and torch.equal(batch["attention_mask"].sum(1), torch.tensor([5, 9, 3]))
