@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -65,22 +66,38 @@ def _demo(args: argparse.Namespace) -> int:
 def _rbe(args: argparse.Namespace) -> int:
     import json
 
-    from transformers import AutoTokenizer
-
-    from .patching import from_pretrained
-    from .rbe.data import load_texts, token_blocks
+    from .rbe.data import DataError, load_texts, token_blocks
     from .rbe.evaluate import evaluate
     from .rbe.plots import plot_rank_distribution
 
-    model = from_pretrained(args.model)
-    model.to(args.device)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    data = load_texts(args.dataset, args.split, args.dataset_config)
-    rows = token_blocks(data, tokenizer, args.text_column, args.block_size)
+    # the cheap checks first: a wrong argument is named before the model and the data are loaded
+    limit, limit_name = _max_positions(args.model)
+    block_size = args.block_size if args.block_size is not None else min(256, limit or 256)
+    if limit is not None and block_size > limit:
+        raise SystemExit(f"--block-size {block_size} is more than the {limit} positions {args.model} takes "
+                         f"({limit_name} in its config): pass --block-size {limit} or less")
+    tokenizer, tokenizer_source = _load_tokenizer(args.tokenizer, args.model)
+    try:
+        data = load_texts(args.dataset, args.split, args.dataset_config)
+        rows = token_blocks(data, tokenizer, args.text_column, block_size)
+    except DataError as err:
+        raise SystemExit(str(err)) from err
     if args.max_blocks is not None:
         rows = rows[: args.max_blocks]
     if not rows:
         raise SystemExit(f"no evaluation text in {args.dataset!r}")
+    longest = max(len(r["input_ids"]) for r in rows)  # token-id datasets keep their own row lengths
+    if limit is not None and longest > limit:
+        raise SystemExit(f"{args.dataset!r} has rows of up to {longest} token ids, more than the {limit} positions "
+                         f"{args.model} takes")
+
+    model = _load_model(args.model)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    top = max(max(r["input_ids"]) for r in rows)
+    if top >= vocab:
+        raise SystemExit(f"the tokenizer from {tokenizer_source} gives token id {top}, but {args.model} has {vocab} "
+                         "token embeddings: it is not the model's tokenizer (pass that one with --tokenizer)")
+    model.to(args.device)
     report = evaluate(model, rows, batch_size=args.batch_size, device=args.device, progress=not args.no_progress)
     print(f"RBE decomposition of {args.model} on {args.dataset} ({len(rows)} blocks)")
     print(report.table())
@@ -91,6 +108,96 @@ def _rbe(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {plot_rank_distribution(report.stats, args.plot, args.model)}")
     return 0
+
+
+# what a directory holding a tokenizer has at least one of (fast, sentencepiece, BPE/WordPiece vocabularies)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+
+def _adapter_base(path: str) -> str | None:
+    """The base model recorded by a local PEFT adapter directory (None for anything else)."""
+    import json
+
+    file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f).get("base_model_name_or_path")
+
+
+def _max_positions(model: str) -> tuple[int | None, str | None]:
+    """The longest input the model's config allows, and the config field that says so."""
+    from transformers import AutoConfig
+
+    source = _adapter_base(model) or model
+    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+        return None, None  # not a checkpoint: loading it says why
+    config = AutoConfig.from_pretrained(source)
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value, name
+    return None, None
+
+
+def _load_tokenizer(tokenizer: str | None, model: str):
+    """(tokenizer, where from): --tokenizer, else the model's, else a PEFT adapter's base model's.  A
+    directory without tokenizer files is refused: AutoTokenizer would build an empty tokenizer from the
+    model's config (GPT-2), or fail asking for sentencepiece (Llama)."""
+    from transformers import AutoTokenizer
+
+    source, where = tokenizer or model, tokenizer or model
+    if tokenizer is None and os.path.isdir(model) and not _has_tokenizer_files(model) and _adapter_base(model):
+        # an adapter saved without the tokenizer: its base model's is the one
+        source = _adapter_base(model)
+        where = f"{model} nor in its base model {source}"
+    if os.path.isdir(source) and not _has_tokenizer_files(source):
+        raise SystemExit(f"no tokenizer in {where}: pass --tokenizer (a directory or hub id with the model's "
+                         "tokenizer)")
+    try:
+        loaded = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"could not load a tokenizer from {source}: {err}\npass --tokenizer") from err
+    if len(loaded) < 2:
+        raise SystemExit(f"the tokenizer loaded from {source} has {len(loaded)} token(s), no vocabulary: pass the "
+                         "model's tokenizer with --tokenizer")
+    return loaded, source
+
+
+def _has_tokenizer_files(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
+
+
+def _load_model(path: str):
+    """hf_mhce.from_pretrained, refusing a checkpoint whose LM head is not in it (a sequence classifier,
+    a bare LlamaModel): transformers would initialise the head at random and the report describe noise."""
+    from .patching import from_pretrained
+
+    if os.path.isfile(os.path.join(path, "adapter_config.json")) or (
+            os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json"))):
+        return from_pretrained(path)  # a PEFT adapter (its base has the head), or a directory it explains
+    model, info = from_pretrained(path, output_loading_info=True)
+    head = model.get_output_embeddings()
+    names = {n for n, p in model.named_parameters(remove_duplicate=False) if head is not None and p is head.weight}
+    # a tied head (GPT-2's lm_head) is not missing when the embedding it shares is in the checkpoint
+    missing = sorted(names & set(info.get("missing_keys", ())))
+    if head is None or missing:
+        saved_as = ", ".join(getattr(model.config, "architectures", None) or ["?"])
+        raise SystemExit(f"{path} has no language-model head (saved as {saved_as}; {', '.join(missing) or 'no head'} "
+                         "not in the checkpoint), so transformers would evaluate a randomly initialised one: "
+                         "hf-mhce rbe needs a causal LM checkpoint (...ForCausalLM, ...LMHeadModel)")
+    return model
+
+
+def _block_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{value}: a block needs at least 2 tokens (an input and its target)")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,12 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     rbe = sub.add_parser("rbe", help="RBE decomposition of a causal LM's cross-entropy on a dataset")
     rbe.add_argument("model", help="checkpoint directory or hub id (loaded with hf_mhce.from_pretrained)")
-    rbe.add_argument("--dataset", required=True, help="datasets name, saved dataset directory or text/json/csv file")
+    rbe.add_argument("--dataset", required=True,
+                     help="a datasets name, a saved dataset directory, a folder of data files, or a file: "
+                          ".txt/.json/.jsonl/.csv/.parquet read by type, any other text file as plain text "
+                          "(a row per line)")
     rbe.add_argument("--dataset-config", default=None)
-    rbe.add_argument("--split", default="test")
+    rbe.add_argument("--split", default=None,
+                     help="split of a dataset with splits (default: test); a single file or saved Dataset has none "
+                          "and is evaluated whole")
     rbe.add_argument("--text-column", default="text")
     rbe.add_argument("--tokenizer", default=None, help="defaults to the model's")
-    rbe.add_argument("--block-size", type=int, default=256, help="tokens per evaluated block")
+    rbe.add_argument("--block-size", type=_block_size, default=None,
+                     help="tokens per evaluated block, at least 2 and at most the model's positions "
+                          "(default: 256, or the model's positions if fewer)")
     rbe.add_argument("--batch-size", type=int, default=8)
     rbe.add_argument("--max-blocks", type=int, default=None)
     rbe.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -125,7 +125,8 @@ def from_pretrained(path_or_id, **kwargs):
     with ``peft.AutoPeftModelForCausalLM`` (base model from the adapter's record) and gets the
     loss config saved beside the adapter (``hf_mhce.json``), else its base's.  The apply_patch
     arguments (loss, num_heads, override_saved and the LossConfig options) may be given here too;
-    everything else goes to from_pretrained.
+    everything else goes to from_pretrained (``output_loading_info=True`` gives (model, report) for a
+    checkpoint, as transformers does).
     """
     names = ("loss", "num_heads", "override_saved", *OPTION_NAMES)
     patch_kwargs = {k: kwargs.pop(k) for k in names if k in kwargs}
@@ -142,6 +143,9 @@ def from_pretrained(path_or_id, **kwargs):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
+    if kwargs.get("output_loading_info"):  # (model, loading report), as transformers returns it
+        model, info = model
+        return apply_patch(model, **patch_kwargs), info
     return apply_patch(model, **patch_kwargs)
 
 

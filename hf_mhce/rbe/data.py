@@ -3,30 +3,107 @@ tokenised and cut into blocks of a fixed number of tokens."""
 
 from __future__ import annotations
 
+import codecs
 import os
 
 _FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# A name ending like this, or written as a path, is a local file even when it does not exist: never
+# sent to the Hub (whose ids are "name" or "owner/name"), where it would only fail after retries.
+_PATH_SUFFIXES = (*_FILE_TYPES, ".md", ".text", ".rst", ".log", ".tsv", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip")
+# datasets' name for the only split of data without splits (a single file, a saved Dataset)
+_WHOLE = "train"
 
 
-def load_texts(path_or_name: str, split: str = "test", config: str | None = None):
-    """A datasets.Dataset from a saved dataset directory, data files, or a hub/local dataset name."""
+class DataError(ValueError):
+    """Evaluation data that cannot be used; the message names the data and what to do."""
+
+
+def load_texts(path_or_name: str, split: str | None = None, config: str | None = None):
+    """A datasets.Dataset from a saved dataset directory, a data file, a folder of data files, or a
+    hub/local dataset name.
+
+    A file ending in .txt/.json/.jsonl/.csv/.parquet is read by datasets' loader for that type, any
+    other UTF-8 text file as plain text (one row per line).  ``split`` (default "test") picks a split of
+    a dataset with splits; a single file or a saved Dataset has none and is read whole, so a split
+    other than "train" (datasets' name for it) is refused rather than ignored.
+    """
     import datasets
 
-    if os.path.isdir(path_or_name) and os.path.exists(os.path.join(path_or_name, "dataset_info.json")):
-        ds = datasets.load_from_disk(path_or_name)
-        return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
-    if os.path.isdir(path_or_name) and not _has_data_files(path_or_name):
-        raise ValueError(f"{path_or_name!r} is a directory but neither a saved dataset (datasets' save_to_disk) nor "
-                         f"a folder of data files ({', '.join(sorted(_FILE_TYPES))})")
-    ext = os.path.splitext(path_or_name)[1].lower()
-    if os.path.isfile(path_or_name) and ext in _FILE_TYPES:
-        return datasets.load_dataset(_FILE_TYPES[ext], data_files=path_or_name, split="train")
-    ds = datasets.load_dataset(path_or_name, config)
-    if isinstance(ds, datasets.DatasetDict):
-        if split not in ds:
-            raise ValueError(f"dataset {path_or_name!r} has splits {list(ds)}, not {split!r} (use --split)")
-        return ds[split]
-    return ds
+    path = os.path.expanduser(path_or_name)
+    if os.path.isdir(path):
+        if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                return _pick_split(ds, split, path_or_name)
+            _check_whole(path_or_name, split, "a saved Dataset")
+            return ds
+        if not _has_data_files(path):
+            raise DataError(f"{path_or_name!r} is a directory but neither a saved dataset (datasets' save_to_disk) nor "
+                            f"a folder of data files ({', '.join(sorted(_FILE_TYPES))})")
+    elif os.path.isfile(path):
+        return _load_file(path_or_name, path, split)
+    elif _looks_like_a_path(path_or_name):
+        raise DataError(f"no such file or directory: {path_or_name!r}")
+    try:
+        ds = datasets.load_dataset(path, config)
+    except (FileNotFoundError, ConnectionError) as err:
+        raise DataError(f"{path_or_name!r} is no local file or directory, and loading it as a dataset name "
+                        f"failed: {err}") from err
+    return _pick_split(ds, split, path_or_name) if isinstance(ds, datasets.DatasetDict) else ds
+
+
+def _load_file(name: str, path: str, split: str | None):
+    import datasets
+
+    _check_whole(name, split, "a single file")
+    if not _has_text(path):
+        raise DataError(f"no evaluation text in {name!r}: the file is empty")
+    kind = _FILE_TYPES.get(os.path.splitext(path)[1].lower())
+    if kind is None:
+        if not _is_utf8_text(path):
+            raise DataError(f"{name!r} is neither a text file nor one of the data files datasets reads "
+                            f"({', '.join(sorted(_FILE_TYPES))}): convert it to one of them")
+        kind = "text"
+    try:
+        return datasets.load_dataset(kind, data_files=path, split=_WHOLE)
+    except datasets.exceptions.DatasetGenerationError as err:  # the cause names the parse error
+        raise DataError(f"could not read {name!r} as {kind}: {err.__cause__ or err}") from err
+
+
+def _pick_split(ds, split: str | None, name: str):
+    split = split or "test"
+    if split not in ds:
+        raise DataError(f"dataset {name!r} has splits {list(ds)}, not {split!r} (use --split)")
+    return ds[split]
+
+
+def _check_whole(name: str, split: str | None, what: str) -> None:
+    if split not in (None, _WHOLE):
+        raise DataError(f"{name!r} is {what}, which has no splits and is evaluated whole: leave out --split "
+                        f"(got {split!r})")
+
+
+def _looks_like_a_path(name: str) -> bool:
+    return (os.path.isabs(name) or name.startswith((".", "~")) or "\\" in name or name.count("/") > 1
+            or name.lower().endswith(_PATH_SUFFIXES))
+
+
+def _has_text(path: str) -> bool:
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return True
+    return False
+
+
+def _is_utf8_text(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    try:  # incremental: a character cut at the end of the sample is not an error
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in head
 
 
 def _has_data_files(directory: str) -> bool:
@@ -35,11 +112,27 @@ def _has_data_files(directory: str) -> bool:
 
 
 def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int = 256) -> list[dict]:
-    """Rows of ``block_size`` token ids (the last one shorter): the texts concatenated, EOS-separated."""
+    """Rows of ``block_size`` token ids (the last one shorter): the texts concatenated, EOS-separated.
+
+    A dataset that has an ``input_ids`` column is used as it is, a row per example; its
+    ``attention_mask`` goes with a row only where it masks something (padding), as evaluate's
+    collator then leaves those positions out of the targets.
+    """
+    if block_size < 2:
+        raise DataError(f"block size {block_size}: a block needs at least 2 tokens (an input and its target)")
     if "input_ids" in dataset.column_names:
-        return [{"input_ids": list(ids)} for ids in dataset["input_ids"] if len(ids) > 1]
+        masks = dataset["attention_mask"] if "attention_mask" in dataset.column_names else None
+        rows = []
+        for i, ids in enumerate(dataset["input_ids"]):
+            row = {"input_ids": list(ids)}
+            if masks is not None and 0 in masks[i]:
+                row["attention_mask"] = list(masks[i])
+            real = sum(row["attention_mask"]) if "attention_mask" in row else len(row["input_ids"])
+            if real > 1:  # a single token is no target
+                rows.append(row)
+        return rows
     if text_column not in dataset.column_names:
-        raise ValueError(f"no column {text_column!r} in the dataset (columns: {dataset.column_names}); use --text-column")
+        raise DataError(f"no column {text_column!r} in the dataset (columns: {dataset.column_names}); use --text-column")
     stream: list[int] = []
     eos = tokenizer.eos_token_id
     for text in dataset[text_column]:
@@ -47,5 +140,10 @@ def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int 
             stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
             if eos is not None:
                 stream.append(eos)
+    special = set(tokenizer.all_special_ids)
+    if stream and all(t in special for t in stream):  # e.g. all <unk>, or nothing but the EOS separators
+        raise DataError(f"the tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) turns the text into "
+                        f"special tokens only ({len(stream)} of them): it is not this text's (or the model's) "
+                        "tokenizer; pass the model's with --tokenizer")
     blocks = [stream[i:i + block_size] for i in range(0, len(stream), block_size)]
     return [{"input_ids": b} for b in blocks if len(b) > 1]

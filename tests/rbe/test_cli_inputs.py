@@ -1,0 +1,245 @@
+"""`hf-mhce rbe` on the inputs users get wrong: checkpoints without a tokenizer or without an LM head,
+dataset paths, block sizes, splits, padded token-id datasets.  Reports are checked against plain
+transformers losses; refusals must name the problem before any numbers are printed."""
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import datasets
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+)
+
+from hf_mhce.cli import main
+from hf_mhce.rbe.data import DataError, load_texts, token_blocks
+from hf_mhce.train import corpus
+
+POSITIONS = 32
+TEXT = "the cat sat on the mat\nthe dog sat on the log\n\na cat and a dog met on the mat\n" * 4
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """Tiny checkpoints (GPT-2 with 32 positions, Llama, a Llama classifier, a LoRA adapter), with and
+    without tokenizer files, and the evaluation text."""
+    root = tmp_path_factory.mktemp("rbe_inputs")
+    tok = corpus.train_tokenizer(corpus.embedded_texts()[0][:8] + [TEXT], vocab_size=300)
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=POSITIONS,
+                                      eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id))
+    for name, with_tok in (("gpt2", True), ("gpt2_notok", False)):
+        gpt2.save_pretrained(root / name)
+        if with_tok:
+            tok.save_pretrained(root / name)
+    llama = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    LlamaForCausalLM(LlamaConfig(**llama)).save_pretrained(root / "llama_notok")
+    LlamaForSequenceClassification(LlamaConfig(**llama, num_labels=3, pad_token_id=0)).save_pretrained(root / "seqcls")
+    tok.save_pretrained(root / "seqcls")
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(GPT2LMHeadModel.from_pretrained(root / "gpt2"),
+                          LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
+    lora.save_pretrained(root / "adapter_notok")  # records the base's path, saves no tokenizer
+    get_peft_model(GPT2LMHeadModel.from_pretrained(root / "gpt2_notok"),
+                   LoraConfig(r=4, target_modules=["c_attn"])).save_pretrained(root / "adapter_bare")
+    (root / "c.txt").write_text(TEXT)
+    return root, tok
+
+
+def _run(*argv, tmp_path):
+    out = tmp_path / "report.json"
+    assert main(["rbe", *map(str, argv), "--no-progress", "--device", "cpu", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _refused(*argv, capsys) -> str:
+    """The message of a refusal: SystemExit's own, or argparse's on stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(["rbe", *map(str, argv), "--no-progress", "--device", "cpu"])
+    assert info.value.code not in (0, None)
+    return str(info.value.code) + capsys.readouterr().err
+
+
+def _stream(tok, text=TEXT):
+    ids = []
+    for line in text.splitlines():
+        if line:
+            ids += tok(line, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return ids
+
+
+@torch.no_grad()
+def _reference_ce(model, rows):
+    """Token-weighted mean of transformers' own loss, one unpadded row at a time."""
+    model.eval()
+    total = count = 0.0
+    for ids in rows:
+        ids = torch.tensor([ids])
+        total += model(input_ids=ids, labels=ids).loss.item() * (ids.shape[1] - 1)
+        count += ids.shape[1] - 1
+    return total / count, int(count)
+
+
+# -- tokenizers ---------------------------------------------------------------------------------
+
+def test_checkpoint_without_tokenizer_is_refused(ckpt, capsys):
+    root, _ = ckpt
+    # GPT-2 got an empty tokenizer and a report over EOS tokens; Llama asked for sentencepiece
+    for name in ("gpt2_notok", "llama_notok"):
+        msg = _refused(root / name, "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
+        assert f"no tokenizer in {root / name}: pass --tokenizer" in msg
+    msg = _refused(root / "adapter_bare", "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
+    assert f"no tokenizer in {root / 'adapter_bare'} nor in its base model {root / 'gpt2_notok'}: pass --tokenizer" in msg
+
+
+def test_tokenizer_option_and_adapter_base_tokenizer(ckpt, tmp_path):
+    root, tok = ckpt
+    model = GPT2LMHeadModel.from_pretrained(root / "gpt2")
+    stream = _stream(tok)
+    rows = [stream[i:i + 16] for i in range(0, len(stream), 16)]
+    want, n = _reference_ce(model, rows)
+    report = _run(root / "gpt2_notok", "--dataset", root / "c.txt", "--block-size", 16, "--tokenizer", root / "gpt2",
+                  tmp_path=tmp_path)
+    assert report["num_tokens"] == n and report["cross_entropy"] == pytest.approx(want, rel=1e-5)
+    # an adapter saved without a tokenizer: its base model's (adapter_config's base_model_name_or_path)
+    from peft import PeftModel
+
+    adapted = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(root / "gpt2"), root / "adapter_notok")
+    want_lora, _ = _reference_ce(adapted, rows)
+    assert want_lora != pytest.approx(want, rel=1e-4)  # the adapter changes the model
+    report = _run(root / "adapter_notok", "--dataset", root / "c.txt", "--block-size", 16, tmp_path=tmp_path)
+    assert report["num_tokens"] == n and report["cross_entropy"] == pytest.approx(want_lora, rel=1e-5)
+
+
+def test_empty_or_wrong_tokenizer_is_refused(ckpt, tmp_path, capsys):
+    root, tok = ckpt
+    # tokenizer_config.json alone: AutoTokenizer builds a GPT2Tokenizer with 1 token, every text -> []
+    (tmp_path / "empty_tok").mkdir()
+    (tmp_path / "empty_tok" / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
+    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--tokenizer", tmp_path / "empty_tok", capsys=capsys)
+    assert "has 1 token(s)" in msg and "--tokenizer" in msg
+    # a tokenizer with more tokens than the model's embeddings (was an IndexError in torch.embedding)
+    big = corpus.train_tokenizer([TEXT] + corpus.embedded_texts()[0][:8], vocab_size=600)
+    big.save_pretrained(tmp_path / "big_tok")
+    top = max(_stream(big))
+    assert top >= len(tok)
+    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--tokenizer", tmp_path / "big_tok", capsys=capsys)
+    assert f"gives token id {top}" in msg and f"has {len(tok)} token embeddings" in msg
+
+
+def test_text_of_special_tokens_only_is_refused():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.train_from_iterator(["alpha beta gamma"], trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
+    other = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="<eos>")
+    ds = datasets.Dataset.from_dict({"text": TEXT.splitlines()})
+    with pytest.raises(DataError, match=r"special tokens only \(\d+ of them\).*--tokenizer"):
+        token_blocks(ds, other, block_size=16)  # every word is <unk>
+    ok = datasets.Dataset.from_dict({"text": ["alpha beta", "gamma"]})
+    assert token_blocks(ok, other, block_size=16) == [{"input_ids": [2, 3, 1, 4, 1]}]
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+def test_checkpoint_without_lm_head_is_refused(ckpt, capsys):
+    root, _ = ckpt
+    msg = _refused(root / "seqcls", "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
+    assert f"{root / 'seqcls'} has no language-model head" in msg
+    assert "LlamaForSequenceClassification" in msg and "lm_head.weight not in the checkpoint" in msg
+
+
+# -- datasets -----------------------------------------------------------------------------------
+
+def test_dataset_paths(ckpt, tmp_path, capsys):
+    root, _ = ckpt
+    model = ("--block-size", 16)
+    for missing in ("sub/missing.txt", str(tmp_path / "nothing"), "./notes.md"):
+        msg = _refused(root / "gpt2", "--dataset", missing, *model, capsys=capsys)
+        assert f"no such file or directory: {missing!r}" in msg
+    for name, content in (("empty.txt", ""), ("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
+        (tmp_path / name).write_text(content)
+        msg = _refused(root / "gpt2", "--dataset", tmp_path / name, *model, capsys=capsys)
+        assert f"no evaluation text in {str(tmp_path / name)!r}" in msg
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x01\xff" * 100)
+    msg = _refused(root / "gpt2", "--dataset", tmp_path / "weights.bin", *model, capsys=capsys)
+    assert "is neither a text file nor one of the data files" in msg and ".jsonl" in msg
+    # a text file with another extension (or none) is plain text, a row per line, as a .txt is
+    want = _run(root / "gpt2", "--dataset", root / "c.txt", *model, tmp_path=tmp_path)
+    for name in ("c.md", "corpus"):
+        (tmp_path / name).write_text(TEXT)
+        assert _run(root / "gpt2", "--dataset", tmp_path / name, *model, tmp_path=tmp_path) == {
+            **want, "dataset": str(tmp_path / name)}
+
+
+def test_split_of_single_file_is_refused_not_ignored(ckpt, tmp_path, capsys):
+    root, _ = ckpt
+    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--split", "validation", "--block-size", 16,
+                   capsys=capsys)
+    assert "is a single file, which has no splits" in msg and "leave out --split" in msg
+    assert load_texts(str(root / "c.txt"), split="train").num_rows == load_texts(str(root / "c.txt")).num_rows == 16
+    lines = [f"line {i}" for i in range(5)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": lines}),
+                          "validation": datasets.Dataset.from_dict({"text": lines[:2]})}).save_to_disk(tmp_path / "dd")
+    assert load_texts(str(tmp_path / "dd"), split="validation")["text"] == lines[:2]
+    with pytest.raises(DataError, match=r"has splits \['train', 'validation'\], not 'test'"):
+        load_texts(str(tmp_path / "dd"))
+    datasets.Dataset.from_dict({"text": lines}).save_to_disk(tmp_path / "one")
+    with pytest.raises(DataError, match="is a saved Dataset, which has no splits"):
+        load_texts(str(tmp_path / "one"), split="test")
+
+
+# -- block sizes --------------------------------------------------------------------------------
+
+def test_block_size_checks(ckpt, tmp_path, capsys):
+    root, tok = ckpt
+    for bad in ("0", "1", "-3"):
+        msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--block-size", bad, capsys=capsys)
+        assert "argument --block-size" in msg and "at least 2 tokens" in msg
+    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--block-size", 64, capsys=capsys)
+    assert f"--block-size 64 is more than the {POSITIONS} positions {root / 'gpt2'} takes" in msg
+    # the default is min(256, the model's positions): blocks of 32 here
+    stream = _stream(tok)
+    rows = [stream[i:i + POSITIONS] for i in range(0, len(stream), POSITIONS)]
+    assert len(rows) >= 3
+    want, n = _reference_ce(GPT2LMHeadModel.from_pretrained(root / "gpt2"), rows)
+    report = _run(root / "gpt2", "--dataset", root / "c.txt", tmp_path=tmp_path)
+    assert capsys.readouterr().out.count(f"({len(rows)} blocks)") == 1
+    assert report["num_tokens"] == n and report["cross_entropy"] == pytest.approx(want, rel=1e-5)
+    # a token-id dataset keeps its rows: one longer than the model's positions is named
+    datasets.Dataset.from_dict({"input_ids": [stream[:40], stream[:10]]}).save_to_disk(tmp_path / "long")
+    msg = _refused(root / "gpt2", "--dataset", tmp_path / "long", capsys=capsys)
+    assert f"has rows of up to 40 token ids, more than the {POSITIONS} positions" in msg
+
+
+# -- token-id datasets with padding -------------------------------------------------------------
+
+def test_padded_token_id_rows_carry_their_mask(ckpt, tmp_path):
+    root, tok = ckpt
+    stream = _stream(tok)
+    real = [stream[:12], stream[12:17], stream[17:29], stream[29:30]]  # the last: one token, no target
+    width = 12
+    ids = [r + [tok.eos_token_id] * (width - len(r)) for r in real]
+    mask = [[1] * len(r) + [0] * (width - len(r)) for r in real]
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": mask})
+    rows = token_blocks(ds, tok)
+    # a mask only where it masks something; a row of one real token is dropped
+    assert rows == [{"input_ids": ids[0]}, {"input_ids": ids[1], "attention_mask": mask[1]},
+                    {"input_ids": ids[2]}]
+    ds.save_to_disk(tmp_path / "padded")
+    want, n = _reference_ce(GPT2LMHeadModel.from_pretrained(root / "gpt2"), real[:3])
+    report = _run(root / "gpt2", "--dataset", tmp_path / "padded", "--batch-size", 3, tmp_path=tmp_path)
+    assert report["num_tokens"] == n == 11 + 4 + 11
+    assert report["cross_entropy"] == pytest.approx(want, rel=1e-5)
