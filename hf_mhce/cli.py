@@ -66,7 +66,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _rbe(args: argparse.Namespace) -> int:
     import json
 
-    from .rbe.data import DataError, load_texts, token_blocks
+    from .rbe.data import DataError, load_texts, load_tokenizer, token_blocks
     from .rbe.evaluate import evaluate
     from .rbe.plots import plot_rank_distribution
 
@@ -76,8 +76,8 @@ def _rbe(args: argparse.Namespace) -> int:
     if limit is not None and block_size > limit:
         raise SystemExit(f"--block-size {block_size} is more than the {limit} positions {args.model} takes "
                          f"({limit_name} in its config): pass --block-size {limit} or less")
-    tokenizer, tokenizer_source = _load_tokenizer(args.tokenizer, args.model)
     try:
+        tokenizer, tokenizer_source = load_tokenizer(args.tokenizer, args.model)
         data = load_texts(args.dataset, args.split, args.dataset_config)
         rows = token_blocks(data, tokenizer, args.text_column, block_size)
     except DataError as err:
@@ -110,27 +110,13 @@ def _rbe(args: argparse.Namespace) -> int:
     return 0
 
 
-# what a directory holding a tokenizer has at least one of (fast, sentencepiece, BPE/WordPiece vocabularies)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
-
-
-def _adapter_base(path: str) -> str | None:
-    """The base model recorded by a local PEFT adapter directory (None for anything else)."""
-    import json
-
-    file = os.path.join(path, "adapter_config.json")
-    if not os.path.isfile(file):
-        return None
-    with open(file) as f:
-        return json.load(f).get("base_model_name_or_path")
-
-
 def _max_positions(model: str) -> tuple[int | None, str | None]:
     """The longest input the model's config allows, and the config field that says so."""
     from transformers import AutoConfig
 
-    source = _adapter_base(model) or model
+    from .rbe.data import adapter_base
+
+    source = adapter_base(model) or model
     if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
         return None, None  # not a checkpoint: loading it says why
     config = AutoConfig.from_pretrained(source)
@@ -139,34 +125,6 @@ def _max_positions(model: str) -> tuple[int | None, str | None]:
         if isinstance(value, int) and value > 0:
             return value, name
     return None, None
-
-
-def _load_tokenizer(tokenizer: str | None, model: str):
-    """(tokenizer, where from): --tokenizer, else the model's, else a PEFT adapter's base model's.  A
-    directory without tokenizer files is refused: AutoTokenizer would build an empty tokenizer from the
-    model's config (GPT-2), or fail asking for sentencepiece (Llama)."""
-    from transformers import AutoTokenizer
-
-    source, where = tokenizer or model, tokenizer or model
-    if tokenizer is None and os.path.isdir(model) and not _has_tokenizer_files(model) and _adapter_base(model):
-        # an adapter saved without the tokenizer: its base model's is the one
-        source = _adapter_base(model)
-        where = f"{model} nor in its base model {source}"
-    if os.path.isdir(source) and not _has_tokenizer_files(source):
-        raise SystemExit(f"no tokenizer in {where}: pass --tokenizer (a directory or hub id with the model's "
-                         "tokenizer)")
-    try:
-        loaded = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"could not load a tokenizer from {source}: {err}\npass --tokenizer") from err
-    if len(loaded) < 2:
-        raise SystemExit(f"the tokenizer loaded from {source} has {len(loaded)} token(s), no vocabulary: pass the "
-                         "model's tokenizer with --tokenizer")
-    return loaded, source
-
-
-def _has_tokenizer_files(directory: str) -> bool:
-    return any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
 
 
 def _load_model(path: str):

@@ -41,14 +41,14 @@ def set_card_section(model, title: str, render: Callable[[str], str] | None) -> 
         sections[title] = render
 
 
-def render_section(model, config, save_directory: str) -> str:
+def render_section(model, config, save_directory: str, adapter: bool = False) -> str:
+    """``adapter``: a PEFT adapter saved alone, whose loss config is in hf_mhce.json (no config.json)."""
     template = Template(resources.files(__package__).joinpath("templates/model_card_section.md").read_text())
     saved = config.to_saved()
     rows = "\n".join(f"| {k} | `{v}` |" for k, v in saved.items() if k != "format")
     note = ""
-    if config.loss == "mhce":
-        name = getattr(model.config, "_name_or_path", "") or save_directory
-        note = Template(_MHCE_NOTE).substitute(num_heads=config.num_heads, name_or_path=name or "path/to/checkpoint")
+    if config.loss == "mhce":  # load what was saved here (the model's _name_or_path is where it came from)
+        note = Template(_MHCE_NOTE).substitute(num_heads=config.num_heads, name_or_path=save_directory)
     extra = ""
     for title, render in model.__dict__.get(SECTIONS_ATTR, {}).items():
         body = render(save_directory)
@@ -56,13 +56,14 @@ def render_section(model, config, save_directory: str) -> str:
             extra += f"\n### {title}\n\n{body.strip()}\n"
     title = (f"multi-head cross-entropy (MHCE, {config.num_heads} heads)" if config.loss == "mhce"
              else "linear cross-entropy (same loss as transformers, without materialised logits)")
-    return template.substitute(loss_title=title, config_rows=rows, mhce_note=note, sections=extra)
+    stored_in = "`hf_mhce.json` beside the adapter" if adapter else "`config.json` under `hf_mhce`"
+    return template.substitute(loss_title=title, config_rows=rows, mhce_note=note, sections=extra, stored_in=stored_in)
 
 
-def write_card(model, config, save_directory: str) -> str:
+def write_card(model, config, save_directory: str, adapter: bool = False) -> str:
     """Insert or refresh the hf_mhce section of ``<save_directory>/README.md``; returns its path."""
     path = os.path.join(save_directory, "README.md")
-    section = render_section(model, config, save_directory)
+    section = render_section(model, config, save_directory, adapter)
     existing = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
     if _BLOCK.search(existing):
         text = _BLOCK.sub(lambda _: section, existing, count=1)

@@ -142,7 +142,8 @@ def _save_with_card(self, save_directory, *args, **kwargs):
     state = target.__dict__.get(STATE_ATTR)
     if state is not None and kwargs.get("is_main_process", True):
         directory = os.fspath(save_directory)
-        write_card(target, state.config, directory)
+        adapter = self is not target and os.path.isfile(os.path.join(directory, "adapter_config.json"))
+        write_card(target, state.config, directory, adapter)
         if self is not target:
             names = getattr(self, "peft_config", {})
             for adapter_dir in {directory, *(os.path.join(directory, n) for n in names if n != "default")}:

@@ -18,14 +18,15 @@ class DataError(ValueError):
     """Evaluation data that cannot be used; the message names the data and what to do."""
 
 
-def load_texts(path_or_name: str, split: str | None = None, config: str | None = None):
+def load_texts(path_or_name: str, split: str | None = None, config: str | None = None, split_option: str = "--split"):
     """A datasets.Dataset from a saved dataset directory, a data file, a folder of data files, or a
     hub/local dataset name.
 
     A file ending in .txt/.json/.jsonl/.csv/.parquet is read by datasets' loader for that type, any
     other UTF-8 text file as plain text (one row per line).  ``split`` (default "test") picks a split of
     a dataset with splits; a single file or a saved Dataset has none and is read whole, so a split
-    other than "train" (datasets' name for it) is refused rather than ignored.
+    other than "train" (datasets' name for it) is refused rather than ignored.  ``split_option``: the
+    caller's name for ``split`` in messages.
     """
     import datasets
 
@@ -34,30 +35,30 @@ def load_texts(path_or_name: str, split: str | None = None, config: str | None =
         if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
             ds = datasets.load_from_disk(path)
             if isinstance(ds, datasets.DatasetDict):
-                return _pick_split(ds, split, path_or_name)
-            _check_whole(path_or_name, split, "a saved Dataset")
+                return _pick_split(ds, split, path_or_name, split_option)
+            _check_whole(path_or_name, split, "a saved Dataset", split_option)
             return ds
         if not _has_data_files(path):
             raise DataError(f"{path_or_name!r} is a directory but neither a saved dataset (datasets' save_to_disk) nor "
                             f"a folder of data files ({', '.join(sorted(_FILE_TYPES))})")
     elif os.path.isfile(path):
-        return _load_file(path_or_name, path, split)
-    elif _looks_like_a_path(path_or_name):
+        return _load_file(path_or_name, path, split, split_option)
+    elif looks_like_a_path(path_or_name):
         raise DataError(f"no such file or directory: {path_or_name!r}")
     try:
         ds = datasets.load_dataset(path, config)
     except (FileNotFoundError, ConnectionError) as err:
         raise DataError(f"{path_or_name!r} is no local file or directory, and loading it as a dataset name "
                         f"failed: {err}") from err
-    return _pick_split(ds, split, path_or_name) if isinstance(ds, datasets.DatasetDict) else ds
+    return _pick_split(ds, split, path_or_name, split_option) if isinstance(ds, datasets.DatasetDict) else ds
 
 
-def _load_file(name: str, path: str, split: str | None):
+def _load_file(name: str, path: str, split: str | None, split_option: str):
     import datasets
 
-    _check_whole(name, split, "a single file")
+    _check_whole(name, split, "a single file", split_option)
     if not _has_text(path):
-        raise DataError(f"no evaluation text in {name!r}: the file is empty")
+        raise DataError(f"no text in {name!r}: the file is empty")
     kind = _FILE_TYPES.get(os.path.splitext(path)[1].lower())
     if kind is None:
         if not _is_utf8_text(path):
@@ -70,22 +71,17 @@ def _load_file(name: str, path: str, split: str | None):
         raise DataError(f"could not read {name!r} as {kind}: {err.__cause__ or err}") from err
 
 
-def _pick_split(ds, split: str | None, name: str):
+def _pick_split(ds, split: str | None, name: str, split_option: str):
     split = split or "test"
     if split not in ds:
-        raise DataError(f"dataset {name!r} has splits {list(ds)}, not {split!r} (use --split)")
+        raise DataError(f"dataset {name!r} has splits {list(ds)}, not {split!r} (use {split_option})")
     return ds[split]
 
 
-def _check_whole(name: str, split: str | None, what: str) -> None:
+def _check_whole(name: str, split: str | None, what: str, split_option: str) -> None:
     if split not in (None, _WHOLE):
-        raise DataError(f"{name!r} is {what}, which has no splits and is evaluated whole: leave out --split "
+        raise DataError(f"{name!r} is {what}, which has no splits and is read whole: leave out {split_option} "
                         f"(got {split!r})")
-
-
-def _looks_like_a_path(name: str) -> bool:
-    return (os.path.isabs(name) or name.startswith((".", "~")) or "\\" in name or name.count("/") > 1
-            or name.lower().endswith(_PATH_SUFFIXES))
 
 
 def _has_text(path: str) -> bool:
@@ -104,6 +100,32 @@ def _is_utf8_text(path: str) -> bool:
     except UnicodeDecodeError:
         return False
     return b"\0" not in head
+
+
+# what a directory holding a tokenizer has at least one of (fast, sentencepiece, BPE/WordPiece vocabularies)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+
+def has_tokenizer_files(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
+
+
+def adapter_base(path: str) -> str | None:
+    """The base model recorded by a local PEFT adapter directory (None for anything else)."""
+    import json
+
+    file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f).get("base_model_name_or_path")
+
+
+def looks_like_a_path(name: str) -> bool:
+    """A name written as a local path (never a Hub id, which is "name" or "owner/name")."""
+    return (os.path.isabs(name) or name.startswith((".", "~")) or "\\" in name or name.count("/") > 1
+            or name.lower().endswith(_PATH_SUFFIXES))
 
 
 def _has_data_files(directory: str) -> bool:
@@ -147,3 +169,28 @@ def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int 
                         "tokenizer; pass the model's with --tokenizer")
     blocks = [stream[i:i + block_size] for i in range(0, len(stream), block_size)]
     return [{"input_ids": b} for b in blocks if len(b) > 1]
+
+
+def load_tokenizer(tokenizer: str | None, model: str):
+    """(tokenizer, where from): --tokenizer, else the model's, else a PEFT adapter's base model's.  A
+    directory without tokenizer files is refused: AutoTokenizer would build an empty tokenizer from the
+    model's config (GPT-2), or fail asking for sentencepiece (Llama).  ``--tokenizer`` in messages is the
+    option of both command lines."""
+    from transformers import AutoTokenizer
+
+    source, where = tokenizer or model, tokenizer or model
+    if tokenizer is None and os.path.isdir(model) and not has_tokenizer_files(model) and adapter_base(model):
+        # an adapter saved without the tokenizer: its base model's is the one
+        source = adapter_base(model)
+        where = f"{model} nor in its base model {source}"
+    if os.path.isdir(source) and not has_tokenizer_files(source):
+        raise DataError(f"no tokenizer in {where}: pass --tokenizer (a directory or hub id with the model's "
+                        "tokenizer)")
+    try:
+        loaded = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise DataError(f"could not load a tokenizer from {source}: {err}\npass --tokenizer") from err
+    if len(loaded) < 2:
+        raise DataError(f"the tokenizer loaded from {source} has {len(loaded)} token(s), no vocabulary: pass the "
+                        "model's tokenizer with --tokenizer")
+    return loaded, source

@@ -1,6 +1,8 @@
 """The main job, ``hf-mhce train``: a small causal LM trained with CE or MHCE, evaluated with the
 RBE decomposition, on the embedded corpus (no downloads) or on real data."""
 
+import sys
+
 from .arguments import ALL_ARGUMENTS, DataArguments, LoraArguments, LossArguments, ModelArguments, TrainArguments
 from .job import run
 
@@ -11,11 +13,27 @@ def parse(argv: list[str] | None = None):
 
     parser = HfArgumentParser(ALL_ARGUMENTS, prog="hf-mhce train",
                               description="Train a causal LM with hf_mhce's fused CE / MHCE and RBE evaluation.")
-    if argv and len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(argv[0])
-    if argv and len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(argv[0])
-    return parser.parse_args_into_dataclasses(args=argv)
+    if argv and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        parsed = (parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file)(argv[0])
+        given = set(_file_keys(argv[0]))
+    else:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+        given = {a[2:].split("=", 1)[0].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
+                 if a.startswith("--")}
+    if "num_train_epochs" in given and "max_steps" not in given:  # else the job's default max_steps wins
+        parsed[-1].max_steps = -1
+    return parsed
+
+
+def _file_keys(path: str) -> list[str]:
+    import json
+
+    with open(path) as f:
+        if path.endswith(".json"):
+            return list(json.load(f))
+        import yaml
+
+        return list(yaml.safe_load(f) or {})
 
 
 def main(argv: list[str] | None = None) -> dict:

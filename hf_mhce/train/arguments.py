@@ -32,8 +32,8 @@ class DataArguments:
     train_split: str = "train"
     eval_split: str = field(default="validation", metadata={
         "help": "evaluation split; if the dataset has none, --eval_fraction of the training text is held out"})
-    eval_fraction: float = 0.1
-    block_size: int = field(default=64, metadata={"help": "tokens per training / evaluation block"})
+    eval_fraction: float = field(default=0.1, metadata={"help": "share of the training text held out, in (0, 1)"})
+    block_size: int = field(default=64, metadata={"help": "tokens per training / evaluation block (>= 2)"})
     max_train_blocks: int | None = None
     max_eval_blocks: int | None = field(default=64, metadata={"help": "per evaluation set; None = all"})
 
@@ -51,7 +51,7 @@ class LossArguments:
         "help": "allow a --loss/--num_heads different from the one saved in a checkpoint"})
     rbe_plots: bool = field(default=True, metadata={"help": "write RBE plots to <output_dir>/rbe (matplotlib)"})
     sample_prompt: str = field(default="The", metadata={"help": "prompt of the greedy sample printed at the end"})
-    sample_tokens: int = 40
+    sample_tokens: int = field(default=40, metadata={"help": "tokens of that sample; 0: no sample"})
 
 
 @dataclass
@@ -67,8 +67,13 @@ class LoraArguments:
 class TrainArguments(TrainingArguments):
     """TrainingArguments with defaults for the embedded run."""
 
-    output_dir: str = field(default="outputs/hf-mhce-train", metadata={"help": "where everything is written"})
-    max_steps: int = 600
+    output_dir: str = field(default="outputs/hf-mhce-train", metadata={
+        "help": "where everything is written; one that holds another run's model is refused unless "
+                "--overwrite_output_dir"})
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "replace the model or adapter another run saved in --output_dir"})
+    max_steps: int = field(default=600, metadata={
+        "help": "training steps; --num_train_epochs given without --max_steps trains by epochs instead"})
     per_device_train_batch_size: int = 8
     per_device_eval_batch_size: int = 16
     learning_rate: float = 3e-3
@@ -87,17 +92,40 @@ ALL_ARGUMENTS = (ModelArguments, DataArguments, LossArguments, LoraArguments, Tr
 FRESH_MODEL_LOSS = ("mhce", 4)  # --loss / --num_heads when no checkpoint says otherwise
 
 
-def requested_loss(model_args, loss_args) -> tuple[str | None, int | None]:
-    """(loss, num_heads) for apply_patch: None keeps a checkpoint's; a fresh model gets FRESH_MODEL_LOSS."""
+def requested_loss(loss_args, saved: dict | None) -> tuple[str | None, int | None]:
+    """(loss, num_heads) for apply_patch.  ``saved``: the loss config recorded by --model's checkpoint
+    (None: none recorded, or no --model).  None keeps the recorded value; without a record the model
+    gets FRESH_MODEL_LOSS, and MHCE without --num_heads over a non-MHCE record 4 heads."""
     loss, heads = loss_args.loss, loss_args.num_heads
-    if not model_args.model:
+    if saved is None:
         loss = loss or FRESH_MODEL_LOSS[0]
-        heads = heads or (FRESH_MODEL_LOSS[1] if loss == "mhce" else None)
+    if loss == "mhce" and heads is None and (saved or {}).get("loss") != "mhce":
+        heads = FRESH_MODEL_LOSS[1]
     return loss, heads
 
 
-def check_arguments(model_args, loss_args, lora_args) -> None:
-    """Refuse inconsistent options before any data is read or tokenizer trained."""
+def checkpoint_facts(path: str) -> tuple[dict | None, object]:
+    """(the hf_mhce loss config --model records, or None; its transformers config), read without the
+    weights.  A PEFT adapter directory records the loss beside it and takes its base model's config."""
+    import os
+
+    from transformers import AutoConfig
+
+    from ..patching.config import CONFIG_KEY, read_adapter_config
+    from ..rbe.data import adapter_base, looks_like_a_path
+
+    if not os.path.exists(os.path.expanduser(path)) and looks_like_a_path(path):
+        raise ValueError(f"--model {path}: no such directory")
+    base = adapter_base(path)
+    if base is not None:
+        return read_adapter_config(path), AutoConfig.from_pretrained(base)
+    config = AutoConfig.from_pretrained(path)
+    return getattr(config, CONFIG_KEY, None), config
+
+
+def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict | None, object | None]:
+    """Refuse inconsistent options before any data is read or tokenizer trained; returns
+    ``checkpoint_facts`` of --model ((None, None) without one)."""
     from ..patching import LossConfig
 
     if lora_args.lora_r > 0 and not model_args.model:
@@ -108,12 +136,25 @@ def check_arguments(model_args, loss_args, lora_args) -> None:
 
         if not plots.available():
             raise ValueError(f"{plots.MISSING}, or pass --no_rbe_plots")
-    loss, heads = requested_loss(model_args, loss_args)
-    if loss is not None:  # what can be checked before a checkpoint is read
+    if data_args.block_size < 2:
+        raise ValueError(f"--block_size {data_args.block_size}: a block needs at least 2 tokens (an input and its target)")
+    if not 0 < data_args.eval_fraction < 1:
+        raise ValueError(f"--eval_fraction {data_args.eval_fraction} must be in (0, 1): the share held out for evaluation")
+    for name in ("max_train_blocks", "max_eval_blocks"):
+        if getattr(data_args, name) is not None and getattr(data_args, name) < 1:
+            raise ValueError(f"--{name} {getattr(data_args, name)} must be at least 1 (leave it out for all blocks)")
+    if loss_args.sample_tokens < 0 or (loss_args.sample_tokens and not loss_args.sample_prompt):
+        raise ValueError("--sample_tokens must be >= 0 and --sample_prompt not empty (--sample_tokens 0: no sample)")
+    saved, config = checkpoint_facts(model_args.model) if model_args.model else (None, None)
+    loss, heads = requested_loss(loss_args, saved)
+    if loss is not None:  # checked before the checkpoint's weights are read
         LossConfig(loss=loss, num_heads=1 if heads is None else heads,
                    label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
-    if not model_args.model and loss == "mhce" and model_args.hidden_size % heads:
-        raise ValueError(f"--num_heads {heads} does not divide --hidden_size {model_args.hidden_size}")
+    hidden = getattr(config, "hidden_size", None) if config is not None else model_args.hidden_size
+    if loss == "mhce" and heads is not None and hidden and hidden % heads:
+        where = f"the hidden size {hidden} of {model_args.model}" if config is not None else f"--hidden_size {hidden}"
+        raise ValueError(f"--num_heads {heads} does not divide {where}")
+    return saved, config
 
 
 def fuse_label_smoothing(loss_args, training_args) -> None:

@@ -56,10 +56,10 @@ def token_blocks(texts: list[str], tokenizer, block_size: int, max_blocks: int |
     return blocks[:max_blocks] if max_blocks is not None else blocks
 
 
-def lm_dataset(blocks: list[list[int]]):
+def lm_dataset(blocks: list[list[int]], what: str = "the data"):
     """A datasets.Dataset of equal-length blocks with labels = input_ids (transformers shifts)."""
     from datasets import Dataset
 
     if not blocks:
-        raise ValueError("no full block of tokens: lower --block_size or provide more text")
+        raise ValueError(f"{what} has no full block of tokens: lower --block_size or provide more text")
     return Dataset.from_dict({"input_ids": blocks, "labels": [list(b) for b in blocks]})

@@ -16,27 +16,41 @@ import torch
 from .. import patching
 from ..rbe import RBECallback
 from . import corpus
-from .arguments import check_arguments, fuse_label_smoothing, requested_loss
+from .arguments import DataArguments, check_arguments, fuse_label_smoothing, requested_loss
+
+DEFAULT_EVAL_SPLIT = DataArguments.eval_split
+# what a save leaves in output_dir: a model (config, weights) or a PEFT adapter (+ hf_mhce.json)
+_SAVED_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "hf_mhce.json")
 
 
-def build_tokenizer(model_args, texts):
-    from transformers import AutoTokenizer
+def build_tokenizer(model_args, texts, config=None):
+    """--tokenizer, else --model's (an adapter's base model's), else a BPE trained on ``texts``;
+    checked against the vocabulary of --model's ``config``."""
+    from ..rbe.data import load_tokenizer
 
-    source = model_args.tokenizer or model_args.model
-    if source:
-        tok = AutoTokenizer.from_pretrained(source)
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        return tok
-    return corpus.train_tokenizer(texts, model_args.vocab_size)
+    if not (model_args.tokenizer or model_args.model):
+        return corpus.train_tokenizer(texts, model_args.vocab_size)
+    tok, source = load_tokenizer(model_args.tokenizer, model_args.model)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and len(tok) > vocab:
+        raise ValueError(f"the tokenizer from {source} has {len(tok)} tokens but {model_args.model} embeds {vocab}: "
+                         "it is not the model's tokenizer (pass that one with --tokenizer)")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
-def build_model(model_args, loss_args, tokenizer):
-    """A pretrained checkpoint (loss config restored) or a small random Llama, then patched."""
+def build_model(model_args, loss_args, tokenizer, saved=None):
+    """A pretrained checkpoint or a small random Llama, patched with the requested loss (``saved``: the
+    loss config the checkpoint records, see arguments.requested_loss)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if model_args.model:
-        model = patching.from_pretrained(model_args.model)
+    loss, num_heads = requested_loss(loss_args, saved)
+    options = dict(loss=loss, num_heads=num_heads, override_saved=loss_args.override_saved,
+                   label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
+    if model_args.model:  # patched as it loads: no interim record a requested loss would have to override
+        return _explained(patching.from_pretrained, model_args.model, **options)
     else:
         config = LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=model_args.hidden_size,
@@ -45,11 +59,12 @@ def build_model(model_args, loss_args, tokenizer):
             max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
         )
-        model = LlamaForCausalLM(config)
-    loss, num_heads = requested_loss(model_args, loss_args)
+        return _explained(patching.apply_patch, LlamaForCausalLM(config), **options)
+
+
+def _explained(patch, *args, **options):
     try:
-        return patching.apply_patch(model, loss=loss, num_heads=num_heads, override_saved=loss_args.override_saved,
-                                    label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
+        return patch(*args, **options)
     except patching.SavedLossMismatchError as err:
         hint = "hf-mhce train: --override_saved, or leave out --loss / --num_heads to keep the checkpoint's"
         raise patching.SavedLossMismatchError(f"{err} ({hint})") from None
@@ -73,47 +88,66 @@ def build_datasets(data_args):
     if data_args.dataset is None:
         train, held_out = corpus.embedded_texts()
         return train, {"docs": held_out, "code": corpus.stdlib_code_texts()}
-    from ..rbe.data import load_texts
+    from ..rbe.data import DataError, load_texts
 
-    train_ds = load_texts(data_args.dataset, data_args.train_split, data_args.dataset_config)
+    train_ds = load_texts(data_args.dataset, data_args.train_split, data_args.dataset_config, "--train_split")
     if data_args.text_column not in train_ds.column_names:
         raise ValueError(f"no column {data_args.text_column!r} in {data_args.dataset!r} "
                          f"(columns: {train_ds.column_names}); use --text_column")
     train = [t for t in train_ds[data_args.text_column] if t]
     try:
-        eval_ds = load_texts(data_args.dataset, data_args.eval_split, data_args.dataset_config)
+        eval_ds = load_texts(data_args.dataset, data_args.eval_split, data_args.dataset_config, "--eval_split")
         held_out = [t for t in eval_ds[data_args.text_column] if t]
-        if eval_ds.num_rows == train_ds.num_rows and held_out == train:
-            raise ValueError  # a single file: no separate split
-    except (ValueError, KeyError):
+    except DataError:
+        if data_args.eval_split != DEFAULT_EVAL_SPLIT:  # asked for by name: a misspelling must not pass silently
+            raise
+        held_out = None  # no such split (a single file, say): hold out a share of the training text
+    if held_out is None or (eval_ds.num_rows == train_ds.num_rows and held_out == train):
         cut = max(1, int(len(train) * (1 - data_args.eval_fraction)))
         train, held_out = train[:cut], train[cut:]
     return train, {"eval": held_out}
+
+
+def check_output_dir(training_args) -> None:
+    """A directory holding another run's model or adapter would mix with this one's outputs (and
+    from_pretrained of it might load the old adapter): refused, or cleared with --overwrite_output_dir."""
+    directory = training_args.output_dir
+    left = [f for f in _SAVED_FILES if os.path.isfile(os.path.join(directory, f))] if os.path.isdir(directory) else []
+    if not left or training_args.resume_from_checkpoint:
+        return
+    if not training_args.overwrite_output_dir:
+        raise ValueError(f"--output_dir {directory} holds a saved model or adapter ({', '.join(left)}): choose "
+                         "another directory, or pass --overwrite_output_dir to replace it")
+    for name in left:
+        os.remove(os.path.join(directory, name))
 
 
 def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     from transformers import Trainer, default_data_collator, set_seed
 
     started = time.time()
-    check_arguments(model_args, loss_args, lora_args)
+    saved, config = check_arguments(model_args, data_args, loss_args, lora_args)
     fuse_label_smoothing(loss_args, training_args)
+    check_output_dir(training_args)
     set_seed(training_args.seed)
     train_texts, eval_texts = build_datasets(data_args)
-    tokenizer = build_tokenizer(model_args, train_texts)
+    tokenizer = build_tokenizer(model_args, train_texts, config)
     block = data_args.block_size
-    train_ds = corpus.lm_dataset(corpus.token_blocks(train_texts, tokenizer, block, data_args.max_train_blocks))
-    eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks))
-               for name, texts in eval_texts.items()}
-    model = add_lora(build_model(model_args, loss_args, tokenizer), lora_args)
+    train_ds = corpus.lm_dataset(corpus.token_blocks(train_texts, tokenizer, block, data_args.max_train_blocks),
+                                 "the training set")
+    eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks),
+                                       f"eval set {name!r}") for name, texts in eval_texts.items()}
+    model = add_lora(build_model(model_args, loss_args, tokenizer, saved), lora_args)
     n_params = sum(p.numel() for p in model.parameters())
     rbe = RBECallback(plot=loss_args.rbe_plots)
     trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                       data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
-    train_output = trainer.train()
+    train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     final = trainer.evaluate()
     trainer.save_model(training_args.output_dir)
     tokenizer.save_pretrained(training_args.output_dir)
-    sample = generate_sample(trainer.model, tokenizer, loss_args.sample_prompt, loss_args.sample_tokens)
+    sample = (generate_sample(trainer.model, tokenizer, loss_args.sample_prompt, loss_args.sample_tokens)
+              if loss_args.sample_tokens else None)
     summary = {
         **{k: model.config.hf_mhce[k] for k in ("loss", "num_heads")},  # as patched (a PeftModel reads its base's)
         "parameters": n_params, "train_tokens": len(train_ds) * block, "train": train_output.metrics,
@@ -156,13 +190,15 @@ def summary_table(summary: dict, eval_names: list[str]) -> str:
     heads = f" (H={summary['num_heads']})" if summary["loss"] == "mhce" else ""
     lines = [f"\nhf-mhce train: {summary['loss']}{heads}, {summary['parameters'] / 1e6:.2f}M parameters, "
              f"{summary['train_tokens']} training tokens, {summary['wall_seconds']:.0f} s",
-             f"{'eval set':<10}{'loss':>9}{'ppl':>10}{'Err-Ent':>9}{'Self-Al':>9}{'Conf':>9}{'top-1':>8}"]
+             f"{'eval set':<10}{'CE':>9}{'ppl':>10}{'Err-Ent':>9}{'Self-Al':>9}{'Conf':>9}{'top-1':>8}"]
     for name in eval_names:
         p = f"eval_{name}"
-        loss = final.get(f"{p}_loss", float("nan"))
+        # the cross-entropy itself: eval_loss is the training objective (label smoothing, z-loss included)
+        loss = final.get(f"{p}_rbe_cross_entropy", final.get(f"{p}_loss", float("nan")))
         lines.append(f"{name:<10}{loss:>9.4f}{math.exp(loss):>10.2f}{final.get(f'{p}_rbe_error_entropy', float('nan')):>9.4f}"
                      f"{final.get(f'{p}_rbe_self_alignment', float('nan')):>9.4f}"
                      f"{final.get(f'{p}_rbe_confidence', float('nan')):>9.4f}{final.get(f'{p}_rbe_top1', float('nan')):>8.3f}")
-    lines.append("loss = Error-Entropy + Self-Alignment - Confidence (nats, RBE decomposition)")
-    lines.append(f"sample: {summary['sample']!r}")
+    lines.append("CE = Error-Entropy + Self-Alignment - Confidence (nats, RBE decomposition)")
+    if summary["sample"] is not None:
+        lines.append(f"sample: {summary['sample']!r}")
     return "\n".join(lines)

@@ -172,7 +172,7 @@ def test_dataset_paths(ckpt, tmp_path, capsys):
     for name, content in (("empty.txt", ""), ("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
         (tmp_path / name).write_text(content)
         msg = _refused(root / "gpt2", "--dataset", tmp_path / name, *model, capsys=capsys)
-        assert f"no evaluation text in {str(tmp_path / name)!r}" in msg
+        assert f"no text in {str(tmp_path / name)!r}: the file is empty" in msg
     (tmp_path / "weights.bin").write_bytes(b"\x00\x01\xff" * 100)
     msg = _refused(root / "gpt2", "--dataset", tmp_path / "weights.bin", *model, capsys=capsys)
     assert "is neither a text file nor one of the data files" in msg and ".jsonl" in msg

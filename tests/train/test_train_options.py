@@ -1,0 +1,136 @@
+"""hf-mhce train driven as users drive it (user-testing pass): a plain checkpoint gets the documented
+default loss, --resume_from_checkpoint and --num_train_epochs take effect, the card loads what was
+saved, a used output directory is not mixed into, and bad values are named before any data is read."""
+
+import json
+import re
+
+import pytest
+from test_train_job import REDUCED, _tiny_checkpoint
+
+import hf_mhce
+from hf_mhce.train import parse
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+SHORT = ["--max_steps", "2", "--eval_steps", "2", "--logging_steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """A transformers checkpoint with no hf_mhce record, and a text file to train on."""
+    root = tmp_path_factory.mktemp("plain")
+    text = root / "corpus.txt"
+    text.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}" for i in range(300)))
+    return _tiny_checkpoint(root / "ckpt", text.read_text().splitlines()), str(text)
+
+
+def _run(out, *extra):
+    return hf_mhce.train.main(REDUCED + ["--output_dir", str(out), *SHORT, *extra])
+
+
+def test_a_plain_checkpoint_gets_the_documented_default_and_any_requested_loss(plain, tmp_path):
+    """--help: "default: the loss saved in --model's checkpoint, else mhce" (with 4 heads); it trained CE,
+    and --loss mhce was refused as a change of a 'saved' CE that from_pretrained had recorded itself."""
+    ckpt, text = plain
+    default = _run(tmp_path / "a", "--model", ckpt, "--dataset", text)
+    assert (default["loss"], default["num_heads"]) == ("mhce", 4)
+    asked = _run(tmp_path / "b", "--model", ckpt, "--dataset", text, "--loss", "mhce", "--num_heads", "2")
+    assert (asked["loss"], asked["num_heads"]) == ("mhce", 2)
+    card = (tmp_path / "b" / "README.md").read_text()  # loads what was saved here, not the base checkpoint
+    assert f'hf_mhce.from_pretrained("{tmp_path / "b"}")' in card
+    # a CE-recorded checkpoint switched to MHCE deliberately: 4 heads unless told otherwise
+    ce = _run(tmp_path / "c", "--model", ckpt, "--dataset", text, "--loss", "ce")
+    switched = _run(tmp_path / "d", "--model", str(tmp_path / "c"), "--dataset", text, "--loss", "mhce",
+                    "--override_saved")
+    assert ce["loss"] == "ce" and (switched["loss"], switched["num_heads"]) == ("mhce", 4)
+
+
+def test_resume_and_epochs_take_effect(plain, tmp_path):
+    ckpt, text = plain
+    with pytest.raises(ValueError, match="checkpoint"):  # was accepted and ignored
+        _run(tmp_path / "r", "--model", ckpt, "--dataset", text, "--resume_from_checkpoint", str(tmp_path / "none"))
+    _run(tmp_path / "s", "--model", ckpt, "--dataset", text, "--save_strategy", "steps", "--save_steps", "1")
+    resumed = _run(tmp_path / "s", "--model", ckpt, "--dataset", text, "--resume_from_checkpoint",
+                   str(tmp_path / "s" / "checkpoint-1"))
+    assert resumed["train"]["train_runtime"] >= 0
+    state = json.loads((tmp_path / "s" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    *_, args = parse(["--num_train_epochs", "1"])  # the job's max_steps default would have overridden it
+    assert args.max_steps == -1 and args.num_train_epochs == 1
+    *_, args = parse(["--num_train_epochs", "1", "--max_steps", "9"])
+    assert args.max_steps == 9
+    *_, args = parse([])
+    assert args.max_steps == 600
+
+
+def test_a_used_output_dir_is_not_mixed_into(plain, tmp_path):
+    ckpt, text = plain
+    out = tmp_path / "o"
+    _run(out, "--model", ckpt, "--dataset", text, "--lora_r", "2")
+    assert (out / "adapter_config.json").exists()
+    with pytest.raises(ValueError, match=r"holds a saved model or adapter \(adapter_config.json.*--overwrite_output_dir"):
+        _run(out, "--model", ckpt, "--dataset", text)
+    _run(out, "--model", ckpt, "--dataset", text, "--overwrite_output_dir")
+    assert not (out / "adapter_config.json").exists() and not (out / "hf_mhce.json").exists()
+    reloaded = hf_mhce.from_pretrained(out)  # the full model of the second run, not the old adapter
+    assert hf_mhce.patching.is_patched(reloaded) and type(reloaded).__name__ == "LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--num_heads", "0"], "num_heads must be a positive int, got 0"),
+    (["--block_size", "1"], "--block_size 1: a block needs at least 2 tokens"),
+    (["--eval_fraction", "1.5"], "--eval_fraction 1.5 must be in (0, 1)"),
+    (["--max_eval_blocks", "0"], "--max_eval_blocks 0 must be at least 1"),
+    (["--sample_tokens", "-1"], "--sample_tokens must be >= 0"),
+    (["--sample_prompt", ""], "--sample_prompt not empty"),
+    (["--model", "./no/such/dir"], "--model ./no/such/dir: no such directory"),
+])
+def test_bad_values_are_named_before_any_data_is_read(extra, message, tmp_path, monkeypatch):
+    from hf_mhce.train import job
+
+    monkeypatch.setattr(job, "build_datasets", lambda *_: pytest.fail("data read before the options were checked"))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _run(tmp_path / "o", *extra)
+
+
+def test_checkpoint_facts_are_checked_before_any_data_is_read(plain, tmp_path, monkeypatch):
+    from hf_mhce.train import job
+
+    ckpt, _ = plain
+    monkeypatch.setattr(job, "build_datasets", lambda *_: pytest.fail("data read before the options were checked"))
+    with pytest.raises(ValueError, match=re.escape(f"--num_heads 3 does not divide the hidden size 32 of {ckpt}")):
+        _run(tmp_path / "o", "--model", ckpt, "--num_heads", "3")
+
+
+def test_tokenizer_and_split_problems_are_named(plain, tmp_path):
+    from hf_mhce.rbe.data import DataError
+
+    ckpt, text = plain
+    bare = tmp_path / "bare"
+    hf_mhce.from_pretrained(ckpt).save_pretrained(bare)  # no tokenizer files
+    with pytest.raises(DataError, match="no tokenizer in .*: pass --tokenizer"):
+        _run(tmp_path / "o", "--model", str(bare), "--dataset", text)
+    big = tmp_path / "big_tok"
+    from hf_mhce.train.corpus import train_tokenizer
+
+    train_tokenizer([open(text).read()], 600).save_pretrained(big)
+    with pytest.raises(ValueError, match=r"has \d+ tokens but .* embeds 300: it is not the model's tokenizer"):
+        _run(tmp_path / "o", "--model", ckpt, "--tokenizer", str(big), "--dataset", text)
+    with pytest.raises(DataError, match="leave out --train_split"):
+        _run(tmp_path / "o", "--model", ckpt, "--dataset", text, "--train_split", "validation")
+    with pytest.raises(DataError, match="leave out --eval_split"):  # named, so a typo is not skipped silently
+        _run(tmp_path / "o", "--model", ckpt, "--dataset", text, "--eval_split", "validaton")
+    summary = _run(tmp_path / "z", "--model", ckpt, "--dataset", text, "--sample_tokens", "0")
+    assert summary["sample"] is None
+
+
+def test_the_table_prints_the_cross_entropy_not_the_smoothed_objective():
+    """With label smoothing eval_loss is the training objective; the table's CE and ppl are the NLL's,
+    which its footnote decomposes (they used to disagree with the card)."""
+    from hf_mhce.train.job import summary_table
+
+    final = {"eval_docs_loss": 6.0301, "eval_docs_rbe_cross_entropy": 5.7046, "eval_docs_rbe_error_entropy": 5.5,
+             "eval_docs_rbe_self_alignment": 0.3046, "eval_docs_rbe_confidence": 0.1, "eval_docs_rbe_top1": 0.1}
+    table = summary_table({"loss": "ce", "num_heads": 1, "parameters": 1e6, "train_tokens": 10, "wall_seconds": 1,
+                           "final_eval": final, "sample": None}, ["docs"])
+    assert "5.7046" in table and "300.25" in table and "6.0301" not in table and "sample" not in table
