@@ -133,8 +133,7 @@ def pretrain(example, model_args, data_args, loss_args, training_args) -> tuple[
             "--logging_steps", str(training_args.logging_steps), "--seed", str(training_args.seed),
             "--per_device_train_batch_size", str(training_args.per_device_train_batch_size),
             "--per_device_eval_batch_size", str(training_args.per_device_eval_batch_size),
-            "--report_to", "none", "--sample_tokens", "16",
-            "--overwrite_output_dir"]  # the example owns this directory: a second run replaces the first
+            "--report_to", "none", "--sample_tokens", "16"]
     for name in ("max_train_blocks", "max_eval_blocks"):
         if getattr(data_args, name) is not None:
             argv += [f"--{name}", str(getattr(data_args, name))]

@@ -261,8 +261,7 @@ def main(argv=None) -> dict:
         for h in args.heads:
             loss = ["--loss", "ce"] if h == 1 else ["--loss", "mhce", "--num_heads", str(h)]
             name = f"h{h}_s{seed}"
-            jobs.append((name, ["--output_dir", os.path.join(out, "runs", name), "--overwrite_output_dir",
-                                "--tokenizer", tokenizer, *loss,
+            jobs.append((name, ["--output_dir", os.path.join(out, "runs", name), "--tokenizer", tokenizer, *loss,
                                 "--seed", str(seed), *options_argv(options), *extra]))
     jobs.sort(key=lambda j: -int(j[0][1:].split("_")[0]))  # slowest (largest H) first
     summaries = run_jobs(jobs, out, args.workers, args.threads)

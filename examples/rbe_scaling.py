@@ -272,8 +272,7 @@ def main(argv=None) -> dict:
     jobs, dirs = [], {}
     for size in args.sizes:
         dirs[size] = os.path.join(out, "runs", size)
-        jobs.append((size, ["--output_dir", dirs[size], "--overwrite_output_dir", "--tokenizer", tokenizer, *loss,
-                            "--seed", str(args.seed),
+        jobs.append((size, ["--output_dir", dirs[size], "--tokenizer", tokenizer, *loss, "--seed", str(args.seed),
                             *options_argv(model_options(size, args.head_dim)), *options_argv(options), *extra]))
     cost = {s: model_options(s, args.head_dim)["hidden_size"] ** 2 * model_options(s, args.head_dim)["num_hidden_layers"]
             for s in args.sizes}

@@ -68,10 +68,7 @@ class TrainArguments(TrainingArguments):
     """TrainingArguments with defaults for the embedded run."""
 
     output_dir: str = field(default="outputs/hf-mhce-train", metadata={
-        "help": "where everything is written; one that holds another run's model is refused unless "
-                "--overwrite_output_dir"})
-    overwrite_output_dir: bool = field(default=False, metadata={
-        "help": "replace the model or adapter another run saved in --output_dir"})
+        "help": "where everything is written; the model or adapter an earlier run saved there is replaced"})
     max_steps: int = field(default=600, metadata={
         "help": "training steps; --num_train_epochs given without --max_steps trains by epochs instead"})
     per_device_train_batch_size: int = 8

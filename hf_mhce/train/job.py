@@ -19,9 +19,10 @@ from . import corpus
 from .arguments import DataArguments, check_arguments, fuse_label_smoothing, requested_loss
 
 DEFAULT_EVAL_SPLIT = DataArguments.eval_split
-# what a save leaves in output_dir: a model (config, weights) or a PEFT adapter (+ hf_mhce.json)
-_SAVED_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "hf_mhce.json")
+# what a save leaves in output_dir: a full model, or a PEFT adapter (with hf_mhce's record beside it)
+_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin")
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "hf_mhce.json")
 
 
 def build_tokenizer(model_args, texts, config=None):
@@ -108,18 +109,18 @@ def build_datasets(data_args):
     return train, {"eval": held_out}
 
 
-def check_output_dir(training_args) -> None:
-    """A directory holding another run's model or adapter would mix with this one's outputs (and
-    from_pretrained of it might load the old adapter): refused, or cleared with --overwrite_output_dir."""
-    directory = training_args.output_dir
-    left = [f for f in _SAVED_FILES if os.path.isfile(os.path.join(directory, f))] if os.path.isdir(directory) else []
-    if not left or training_args.resume_from_checkpoint:
-        return
-    if not training_args.overwrite_output_dir:
-        raise ValueError(f"--output_dir {directory} holds a saved model or adapter ({', '.join(left)}): choose "
-                         "another directory, or pass --overwrite_output_dir to replace it")
-    for name in left:
-        os.remove(os.path.join(directory, name))
+def clear_previous_save(directory: str, adapter: bool) -> None:
+    """Remove what a previous run saved in ``directory`` that this save would not overwrite: a full
+    model beside a new adapter, or an adapter (its hf_mhce.json, PEFT's card) beside a new full model,
+    which from_pretrained of the directory would load instead.  Only files such saves write."""
+    stale = _MODEL_FILES if adapter else _ADAPTER_FILES
+    for name in stale:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            os.remove(path)
+    card = os.path.join(directory, "README.md")
+    if not adapter and os.path.isfile(card) and "library_name: peft" in open(card, encoding="utf-8").read():
+        os.remove(card)  # PEFT's card of the old adapter (the hf_mhce section is rewritten on save)
 
 
 def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
@@ -128,7 +129,6 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     started = time.time()
     saved, config = check_arguments(model_args, data_args, loss_args, lora_args)
     fuse_label_smoothing(loss_args, training_args)
-    check_output_dir(training_args)
     set_seed(training_args.seed)
     train_texts, eval_texts = build_datasets(data_args)
     tokenizer = build_tokenizer(model_args, train_texts, config)
@@ -144,6 +144,8 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
                       data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     final = trainer.evaluate()
+    if trainer.is_world_process_zero():
+        clear_previous_save(training_args.output_dir, adapter=lora_args.lora_r > 0)
     trainer.save_model(training_args.output_dir)
     tokenizer.save_pretrained(training_args.output_dir)
     sample = (generate_sample(trainer.model, tokenizer, loss_args.sample_prompt, loss_args.sample_tokens)

@@ -64,14 +64,15 @@ def test_resume_and_epochs_take_effect(plain, tmp_path):
 
 
 def test_a_used_output_dir_is_not_mixed_into(plain, tmp_path):
+    """A LoRA run, then a full run into the same directory: the old adapter, its hf_mhce.json and its
+    PEFT card stayed, and from_pretrained of the directory loaded the old adapter."""
     ckpt, text = plain
     out = tmp_path / "o"
     _run(out, "--model", ckpt, "--dataset", text, "--lora_r", "2")
     assert (out / "adapter_config.json").exists()
-    with pytest.raises(ValueError, match=r"holds a saved model or adapter \(adapter_config.json.*--overwrite_output_dir"):
-        _run(out, "--model", ckpt, "--dataset", text)
-    _run(out, "--model", ckpt, "--dataset", text, "--overwrite_output_dir")
+    _run(out, "--model", ckpt, "--dataset", text)
     assert not (out / "adapter_config.json").exists() and not (out / "hf_mhce.json").exists()
+    assert "library_name: peft" not in (out / "README.md").read_text()
     reloaded = hf_mhce.from_pretrained(out)  # the full model of the second run, not the old adapter
     assert hf_mhce.patching.is_patched(reloaded) and type(reloaded).__name__ == "LlamaForCausalLM"
 
