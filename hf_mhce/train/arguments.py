@@ -154,6 +154,15 @@ def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict |
     return saved, config
 
 
+def check_schedule(training_args) -> None:
+    """A run that would train nothing (max_steps 0, or no steps and no epochs) saves an untrained model
+    whose card says it was trained: refused instead."""
+    steps, epochs = training_args.max_steps, training_args.num_train_epochs
+    if steps == 0 or (steps < 0 and not epochs > 0):
+        raise ValueError(f"--max_steps {steps} with --num_train_epochs {epochs} trains nothing: give a positive "
+                         "--max_steps, or --num_train_epochs without --max_steps")
+
+
 def fuse_label_smoothing(loss_args, training_args) -> None:
     """Move TrainingArguments' ``label_smoothing_factor`` into the fused loss's ``label_smoothing``.
 

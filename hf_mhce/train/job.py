@@ -16,7 +16,7 @@ import torch
 from .. import patching
 from ..rbe import RBECallback
 from . import corpus
-from .arguments import DataArguments, check_arguments, fuse_label_smoothing, requested_loss
+from .arguments import DataArguments, check_arguments, check_schedule, fuse_label_smoothing, requested_loss
 
 DEFAULT_EVAL_SPLIT = DataArguments.eval_split
 # what a save leaves in output_dir: a full model, or a PEFT adapter (with hf_mhce's record beside it)
@@ -127,6 +127,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     from transformers import Trainer, default_data_collator, set_seed
 
     started = time.time()
+    check_schedule(training_args)
     saved, config = check_arguments(model_args, data_args, loss_args, lora_args)
     fuse_label_smoothing(loss_args, training_args)
     set_seed(training_args.seed)

@@ -85,6 +85,8 @@ def test_a_used_output_dir_is_not_mixed_into(plain, tmp_path):
     (["--sample_tokens", "-1"], "--sample_tokens must be >= 0"),
     (["--sample_prompt", ""], "--sample_prompt not empty"),
     (["--model", "./no/such/dir"], "--model ./no/such/dir: no such directory"),
+    (["--max_steps", "0"], "--max_steps 0 with --num_train_epochs 3.0 trains nothing"),
+    (["--max_steps", "-1", "--num_train_epochs", "0"], "--max_steps -1 with --num_train_epochs 0.0 trains nothing"),
 ])
 def test_bad_values_are_named_before_any_data_is_read(extra, message, tmp_path, monkeypatch):
     from hf_mhce.train import job
