@@ -112,14 +112,11 @@ def _rbe(args: argparse.Namespace) -> int:
 
 def _max_positions(model: str) -> tuple[int | None, str | None]:
     """The longest input the model's config allows, and the config field that says so."""
-    from transformers import AutoConfig
+    from .patching.config import adapter_base, checkpoint_config
 
-    from .rbe.data import adapter_base
-
-    source = adapter_base(model) or model
-    if os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json")):
+    if adapter_base(model) is None and os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
         return None, None  # not a checkpoint: loading it says why
-    config = AutoConfig.from_pretrained(source)
+    _, config = checkpoint_config(model)
     for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:

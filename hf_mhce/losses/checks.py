@@ -114,27 +114,34 @@ def check_low_rank(low_rank, hidden: torch.Tensor, weight: torch.Tensor, num_hea
         )
 
 
-def _number(value, name: str) -> float:
+def as_number(value, name: str) -> float:
+    """A real number of any type (int, float, numpy), never a bool, as a float."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r}")
     return float(value)
+
+
+def as_index(value, name: str) -> int:
+    """An integer of any type (int, numpy), never a bool, as an int (label values: ignore_index)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return int(value)
 
 
 def check_options(reduction: str, label_smoothing: float, z_loss: float, softcap, num_items_in_batch,
                   ignore_index: int = -100) -> None:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= _number(label_smoothing, "label_smoothing") <= 1.0:
+    if not 0.0 <= as_number(label_smoothing, "label_smoothing") <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    z = _number(z_loss, "z_loss")
+    z = as_number(z_loss, "z_loss")
     if not (z >= 0.0 and math.isfinite(z)):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
     if softcap is not None:
-        c = _number(softcap, "softcap")
+        c = as_number(softcap, "softcap")
         if not (c > 0.0 and math.isfinite(c)):
             raise ValueError(f"softcap must be a finite positive number (or None), got {softcap}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    as_index(ignore_index, "ignore_index")
     if num_items_in_batch is not None:
         check_item_count(num_items_in_batch)
         if reduction == "none":

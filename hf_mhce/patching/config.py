@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 import os
 from dataclasses import dataclass
 
-from ..losses.checks import as_count
+from ..losses.checks import as_count, as_index, as_number
 from ..losses.dispatch import BACKENDS
 
 CONFIG_KEY = "hf_mhce"
@@ -67,14 +66,10 @@ class LossConfig:
         object.__setattr__(self, "num_heads", heads)
         if self.loss == "ce" and heads != 1:
             raise ValueError(f"num_heads={heads} only applies to loss='mhce'; loss='ce' has a single head")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
-            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
-        for name in ("label_smoothing", "z_loss"):  # numbers, stored as floats (config.json stays typed)
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"{name} must be a number, got {value!r}")
-            object.__setattr__(self, name, float(value))
-        object.__setattr__(self, "ignore_index", int(self.ignore_index))
+        # numbers of any type, stored as Python ints / floats (config.json stays typed)
+        object.__setattr__(self, "ignore_index", as_index(self.ignore_index, "ignore_index"))
+        for name in ("label_smoothing", "z_loss"):
+            object.__setattr__(self, name, as_number(getattr(self, name), name))
         if not 0.0 <= self.label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
         if not (self.z_loss >= 0.0 and math.isfinite(self.z_loss)):
@@ -112,6 +107,27 @@ def read_adapter_config(directory: str) -> dict | None:
         saved = json.load(f)
     LossConfig.from_saved(saved)  # a malformed file fails here, naming itself
     return saved
+
+
+def adapter_base(path: str) -> str | None:
+    """The base model recorded by a local PEFT adapter directory (None for anything else)."""
+    file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f).get("base_model_name_or_path")
+
+
+def checkpoint_config(path: str) -> tuple[dict | None, object]:
+    """(the loss config a checkpoint records, or None; its transformers config), without the weights.
+    A PEFT adapter directory records the loss beside it (hf_mhce.json) and takes its base's config."""
+    from transformers import AutoConfig
+
+    base = adapter_base(path)
+    if base is not None:
+        return read_adapter_config(path), AutoConfig.from_pretrained(base)
+    config = AutoConfig.from_pretrained(path)
+    return getattr(config, CONFIG_KEY, None), config
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name not in IDENTITY_FIELDS)

@@ -216,22 +216,23 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
             return multi_head_cross_entropy(x, w, shift_labels, cfg.num_heads, bias=b, low_rank=low_rank, **options)
         return linear_cross_entropy(x, w, shift_labels, bias=b, low_rank=low_rank, **options)
 
+    counted = (shift_labels != ignore_index).sum()
     names = mixed_batch_adapters(head)
     if names is None:
         loss = call_through(head, fused, hidden, shift_labels)
     else:
         if num_items_in_batch is None:  # each row group's sum over the whole batch's count adds up to the mean
-            options["num_items_in_batch"] = (shift_labels != ignore_index).sum().clamp_min(1)
+            options["num_items_in_batch"] = counted.clamp_min(1)
         loss = sum(call_through(head, functools.partial(fused, adapter=name), hidden[rows], shift_labels[rows])
                    for name, rows in _adapter_groups(names, hidden))
-    return _nan_when_nothing_counts(loss, shift_labels, ignore_index, num_items_in_batch)
+    return _nan_when_nothing_counts(loss, counted, num_items_in_batch)
 
 
-def _nan_when_nothing_counts(loss, shift_labels, ignore_index, num_items_in_batch):
+def _nan_when_nothing_counts(loss, counted, num_items_in_batch):
     """HF's loss of a batch without any target is 0/0 = NaN, which the Trainer's evaluation leaves
     out of eval_loss (``logging_nan_inf_filter``); the fused loss gives 0.  Report HF's value, but as
     a constant beside the loss: the gradients stay zero (HF's would be NaN).  No device sync."""
-    empty = (shift_labels != ignore_index).sum() == 0
+    empty = counted == 0
     if num_items_in_batch is not None:  # a count over a larger batch: HF's 0 / count = 0 then
         empty = empty & (torch.as_tensor(num_items_in_batch, device=loss.device) == 0)
     return loss + torch.where(empty, float("nan"), 0.0).to(device=loss.device, dtype=loss.dtype)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import codecs
 import os
 
+from ..patching.config import adapter_base
+
 _FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # A name ending like this, or written as a path, is a local file even when it does not exist: never
 # sent to the Hub (whose ids are "name" or "owner/name"), where it would only fail after retries.
@@ -109,17 +111,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 def has_tokenizer_files(directory: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES)
-
-
-def adapter_base(path: str) -> str | None:
-    """The base model recorded by a local PEFT adapter directory (None for anything else)."""
-    import json
-
-    file = os.path.join(path, "adapter_config.json")
-    if not os.path.isfile(file):
-        return None
-    with open(file) as f:
-        return json.load(f).get("base_model_name_or_path")
 
 
 def looks_like_a_path(name: str) -> bool:

@@ -102,22 +102,15 @@ def requested_loss(loss_args, saved: dict | None) -> tuple[str | None, int | Non
 
 
 def checkpoint_facts(path: str) -> tuple[dict | None, object]:
-    """(the hf_mhce loss config --model records, or None; its transformers config), read without the
-    weights.  A PEFT adapter directory records the loss beside it and takes its base model's config."""
+    """patching.config.checkpoint_config of --model, after naming a local path that does not exist."""
     import os
 
-    from transformers import AutoConfig
-
-    from ..patching.config import CONFIG_KEY, read_adapter_config
-    from ..rbe.data import adapter_base, looks_like_a_path
+    from ..patching.config import checkpoint_config
+    from ..rbe.data import looks_like_a_path
 
     if not os.path.exists(os.path.expanduser(path)) and looks_like_a_path(path):
         raise ValueError(f"--model {path}: no such directory")
-    base = adapter_base(path)
-    if base is not None:
-        return read_adapter_config(path), AutoConfig.from_pretrained(base)
-    config = AutoConfig.from_pretrained(path)
-    return getattr(config, CONFIG_KEY, None), config
+    return checkpoint_config(path)
 
 
 def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict | None, object | None]:
