@@ -31,8 +31,8 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
     """
     target = _unwrap(model)
     state = target.__dict__.get(STATE_ATTR)
-    out_cls, _ = check_structure(target)
-    facts = _facts(target, out_cls)
+    out_cls, _, router = check_structure(target)
+    facts = _facts(target, out_cls, router)
     saved = getattr(target.config, CONFIG_KEY, None)
     cfg = resolve_config(saved, state.config if state else None, loss, num_heads, loss_options, override_saved)
     _check_head(target, cfg.num_heads)
@@ -44,12 +44,12 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             config=cfg, facts=facts, output_cls=out_cls, signature=sig, positional=_positional(sig),
             attr=attr, original=target.__dict__.get(attr, ABSENT),
             original_config=saved if saved is not None else ABSENT,
-            original_accepts=target.__dict__.get(_ACCEPTS, ABSENT),
+            original_accepts=target.__dict__.get(_ACCEPTS, ABSENT), router=router,
         )
         target.__dict__[STATE_ATTR] = state
         bind_forward(target)
     else:
-        state.config, state.facts = cfg, facts
+        state.config, state.facts, state.router = cfg, facts, router
         if live_attr(target) is None:  # replaced since (e.g. by Liger): asked again, so put it back
             state.attr = forward_attr(target)
             bind_forward(target)
@@ -179,7 +179,7 @@ def _check_head(model, num_heads: int) -> None:
         )
 
 
-def _facts(model, out_cls) -> LogitFacts:
+def _facts(model, out_cls, router) -> LogitFacts:
     """The family's logit facts.  A family outside the table, or a class whose forward is not
     transformers' own (a user subclass overriding it, remote code), must pass the verification probe."""
     kind = model_type(model)
@@ -190,7 +190,7 @@ def _facts(model, out_cls) -> LogitFacts:
     # Probed per instance, never cached per class: a family may transform its logits by a config
     # value (HyperCLOVAX-like scales) that is the identity in one instance and not in the next.
     facts = facts or LogitFacts()
-    if not _probe(model, out_cls, facts):
+    if not _probe(model, out_cls, facts, router):
         module = getattr(type(model).forward, "__module__", "?")
         why = (f"model type {kind!r} is not in the family table" if own else
                f"{type(model).__name__}.forward is defined outside transformers (in {module}), so the fused loss "
@@ -200,8 +200,9 @@ def _facts(model, out_cls) -> LogitFacts:
 
 
 @torch.no_grad()
-def _probe(model, out_cls, facts: LogitFacts) -> bool:
-    """Does the generic path give the original forward's logits and loss on a few tokens (eval mode)?"""
+def _probe(model, out_cls, facts: LogitFacts, router) -> bool:
+    """Does the generic path give the original forward's logits and loss (and a mixture of experts'
+    aux_loss) on a few tokens (eval mode)?"""
     from .config import LossConfig
 
     if any(p.is_meta for p in model.parameters()):
@@ -209,16 +210,18 @@ def _probe(model, out_cls, facts: LogitFacts) -> bool:
                                  "the generic forward, but its weights are on the meta device")
     sig = mirrored_signature(type(model))
     state = PatchState(LossConfig(return_logits=True), facts, out_cls, sig, _positional(sig), "forward",
-                       ABSENT, ABSENT)
+                       ABSENT, ABSENT, router=router)
     was_training = model.training
     model.eval()
     try:
         ids = probe_inputs(model)
-        reference = type(model).forward(model, input_ids=ids, labels=ids, use_cache=False)
-        ours = generic_forward(model, state, input_ids=ids, labels=ids, use_cache=False)
-        return (reference.logits.shape == ours.logits.shape
-                and torch.allclose(reference.logits.float(), ours.logits.float(), rtol=1e-4, atol=1e-5)
-                and torch.allclose(reference.loss.float(), ours.loss.float(), rtol=1e-4, atol=1e-5))
+        extra = {"output_router_logits": True} if router else {}
+        reference = type(model).forward(model, input_ids=ids, labels=ids, use_cache=False, **extra)
+        ours = generic_forward(model, state, input_ids=ids, labels=ids, use_cache=False, **extra)
+        pairs = [(reference.logits, ours.logits), (reference.loss, ours.loss)]
+        if router:
+            pairs.append((reference.aux_loss, ours.aux_loss))
+        return all(r.shape == o.shape and torch.allclose(r.float(), o.float(), rtol=1e-4, atol=1e-5) for r, o in pairs)
     except Exception:  # noqa: BLE001 - any failure means the generic path does not fit
         return False
     finally:

@@ -21,6 +21,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
+from .routers import ROUTER_FIELDS, RouterFacts, router_facts
+
 
 class UnsupportedModelError(TypeError):
     """The model cannot be served by the generic patched forward."""
@@ -56,6 +58,16 @@ FAMILIES: dict[str, LogitFacts] = {
     "granite": LogitFacts(divide_attr="logits_scaling"),
     "granite_swa": LogitFacts(divide_attr="logits_scaling"),
     "hyperclovax": LogitFacts(multiply_attr="logits_scaling"),
+    # mixture-of-experts families: their router's load-balancing loss is found by routers.router_facts
+    "mixtral": _PLAIN,
+    "qwen2_moe": _PLAIN,
+    "qwen3_moe": _PLAIN,
+    "olmoe": _PLAIN,
+    "phimoe": _PLAIN,
+    "gpt_oss": _PLAIN,
+    "granitemoe": LogitFacts(divide_attr="logits_scaling"),
+    "granitemoeshared": LogitFacts(divide_attr="logits_scaling"),
+    "granitemoe_swa": LogitFacts(divide_attr="logits_scaling"),
 }
 TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 
@@ -68,7 +80,8 @@ REQUIREMENT = (
     "any other causal LM whose forward is exactly `logits = model.get_output_embeddings()"
     "(model.get_decoder()(...).last_hidden_state)`: an nn.Linear head (optionally wrapped by PEFT LoRA or "
     "modules_to_save) applied to the decoder's last hidden state, returning a ModelOutput with only the "
-    "fields loss, logits, past_key_values, hidden_states, attentions, cross_attentions"
+    "fields loss, logits, past_key_values, hidden_states, attentions, cross_attentions (and, for a mixture of "
+    "experts, aux_loss and router_logits, with the loss adding transformers' load_balancing_loss_func)"
 )
 
 
@@ -84,6 +97,12 @@ def unsupported(model: nn.Module, reason: str) -> UnsupportedModelError:
 def defined_in_transformers(function) -> bool:
     """Is ``function`` transformers' own (not a user subclass's override, nor remote code's)?"""
     return (getattr(function, "__module__", None) or "").startswith("transformers.")
+
+
+def stock_forward(model_class: type):
+    """The forward of the nearest class in ``model_class``'s MRO that transformers defines (None if none)."""
+    return next((c.__dict__["forward"] for c in model_class.__mro__
+                 if defined_in_transformers(c.__dict__.get("forward"))), None)
 
 
 def model_type(model: nn.Module) -> str | None:
@@ -102,8 +121,16 @@ def logit_transform(model: nn.Module, facts: LogitFacts) -> tuple[float | None, 
 
 
 def output_type(model_class: type) -> type:
-    """The ModelOutput class the original forward returns (from its return annotation)."""
-    forward = model_class.forward
+    """The ModelOutput class the original forward returns (from its return annotation; a subclass's
+    unannotated override returns what the transformers forward it extends does)."""
+    for forward in (model_class.forward, stock_forward(model_class)):
+        found = _annotated_output(forward) if forward is not None else None
+        if found is not None:
+            return found
+    return CausalLMOutputWithPast
+
+
+def _annotated_output(forward) -> type | None:
     annotation = inspect.signature(forward).return_annotation
     if isinstance(annotation, str):
         try:
@@ -111,14 +138,12 @@ def output_type(model_class: type) -> type:
         except Exception:  # unresolvable forward reference: fall back on the usual type
             annotation = None
     candidates = typing.get_args(annotation) or (annotation,)
-    for candidate in candidates:
-        if isinstance(candidate, type) and issubclass(candidate, ModelOutput):
-            return candidate
-    return CausalLMOutputWithPast
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, ModelOutput)), None)
 
 
-def check_structure(model: nn.Module) -> tuple[type, nn.Module]:
-    """Checks of the generic requirement that need no forward pass; returns (output type, decoder)."""
+def check_structure(model: nn.Module) -> tuple[type, nn.Module, RouterFacts | None]:
+    """Checks of the generic requirement that need no forward pass; returns (output type, decoder,
+    router facts of a mixture of experts or None)."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -135,10 +160,15 @@ def check_structure(model: nn.Module) -> tuple[type, nn.Module]:
         raise unsupported(model, "get_output_embeddings() returns None (no LM head)")
     out_cls = output_type(type(model))
     names = {f.name for f in dataclasses.fields(out_cls)}
-    extra = sorted(names - {"loss", "logits", *PASSTHROUGH_FIELDS})
+    router = None
+    if set(ROUTER_FIELDS) <= names:
+        router = router_facts(model, stock_forward(type(model)))
+        if isinstance(router, str):
+            raise unsupported(model, router)
+    extra = sorted(names - {"loss", "logits", *PASSTHROUGH_FIELDS, *(ROUTER_FIELDS if router else ())})
     if "logits" not in names or extra:
         raise unsupported(model, f"its output type {out_cls.__name__} has fields {extra} the generic forward cannot fill")
-    return out_cls, decoder
+    return out_cls, decoder, router
 
 
 def probe_inputs(model: nn.Module) -> torch.Tensor:

@@ -28,8 +28,9 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
 from .config import LossConfig
-from .families import LogitFacts, defined_in_transformers, logit_transform
+from .families import LogitFacts, logit_transform, stock_forward
 from .head import fused_operands, mixed_batch_adapters, resolve_head
+from .routers import RouterFacts, router_loss, wants_router_logits
 from .sharding import call_through
 
 STATE_ATTR = "_hf_mhce_patch"
@@ -53,6 +54,7 @@ class PatchState:
     saves_adapters: bool = False  # a PeftModel around the model was patched too (writes hf_mhce.json)
     original_accepts: object = field(default_factory=lambda: ABSENT)  # instance's accepts_loss_kwargs before
     warned_adapter_save: bool = False
+    router: RouterFacts | None = None  # a mixture of experts' load-balancing loss (routers.py)
 
 
 class _Absent:
@@ -79,8 +81,7 @@ def mirrored_signature(model_class: type) -> inspect.Signature:
     sig = inspect.signature(model_class.forward)
     if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
         # A subclass's forward(*args, **kwargs) hands them on: the transformers forward it extends names them.
-        stock = next((c.__dict__["forward"] for c in model_class.__mro__[1:]
-                      if defined_in_transformers(c.__dict__.get("forward"))), None)
+        stock = stock_forward(model_class)
         if stock is not None:
             sig = inspect.signature(stock)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
@@ -130,13 +131,20 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     if want_logits is None:
         want_logits = cfg.return_logits if skip_logits is None else not skip_logits
     loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
+    if state.router is not None:  # an MoE forward resolves the flag and hands it to its decoder
+        kwargs["output_router_logits"] = wants_router_logits(model, kwargs)
 
     outputs = model.get_decoder()(**kwargs)
     hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
 
-    loss = logits = None
+    loss = logits = aux_loss = None
     if labels is not None or loss_kwargs.get("shift_labels") is not None:
         loss = _loss(model, state, hidden, labels, **loss_kwargs)
+    if state.router is not None and kwargs["output_router_logits"]:
+        aux_loss, weight = router_loss(model, state.router, getattr(outputs, "router_logits", None),
+                                       kwargs.get("attention_mask"))
+        if loss is not None:
+            loss = loss + weight * aux_loss.to(loss.device)
     if want_logits is None and loss is not None and not model.training:
         want_logits = trainer_needs_predictions()
     if loss is None or want_logits:
@@ -146,6 +154,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     if not isinstance(outputs, tuple):
         passthrough = {k: getattr(outputs, k, None) for k in state.output_cls.__dataclass_fields__
                        if k not in ("loss", "logits")}
+    if aux_loss is not None:
+        passthrough["aux_loss"] = aux_loss
     result = state.output_cls(loss=loss, logits=logits, **passthrough)
     return result if return_dict else result.to_tuple()
 

@@ -1,11 +1,14 @@
 """Clear errors, and no [N, V] logits when a loss is asked for."""
 
+from dataclasses import dataclass
+
 import numpy
 import pytest
 import torch
 from patching_models import batch, make_model
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import BertConfig, BertForMaskedLM, BertModel, MixtralConfig, MixtralForCausalLM
+from transformers import BertConfig, BertForMaskedLM, BertModel, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_mhce.patching import LossConfig, UnsupportedModelError, apply_patch
 
@@ -41,13 +44,24 @@ def test_num_heads_must_divide_hidden_size():
         apply_patch(make_model("llama"), loss="mhce", num_heads=5)
 
 
+@dataclass
+class _OutputWithDraft(CausalLMOutputWithPast):
+    draft_logits: torch.Tensor | None = None
+
+
+class _ExtraOutputLlama(LlamaForCausalLM):
+    """Returns a field (say, multi-token-prediction logits) the generic forward cannot compute."""
+
+    def forward(self, *args, **kwargs) -> _OutputWithDraft:
+        return _OutputWithDraft(**super().forward(*args, **kwargs))
+
+
 def test_unsupported_models_name_the_requirement():
     tiny = dict(vocab_size=97, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
     cases = [
         (BertForMaskedLM(BertConfig(**tiny)), "does not reproduce its logits"),  # transform before the head
         (BertModel(BertConfig(**tiny)), "get_decoder|LM head|get_output_embeddings"),
-        (MixtralForCausalLM(MixtralConfig(num_local_experts=2, num_experts_per_tok=1, num_key_value_heads=2, **tiny)),
-         r"fields \['aux_loss', 'router_logits'\]"),
+        (_ExtraOutputLlama(LlamaConfig(**tiny)), r"fields \['draft_logits'\]"),
         (torch.nn.Linear(4, 4), "not a transformers PreTrainedModel"),
     ]
     for model, reason in cases:

@@ -7,18 +7,24 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_mhce.patching import FAMILIES, TESTED_FAMILIES, apply_patch
-from hf_mhce.patching.families import LogitFacts, UnsupportedModelError
+from hf_mhce.patching.families import LogitFacts, UnsupportedModelError, output_type
 
 SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
              pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # Make the family's logit transform matter at random init.
 FACT_VALUES = {"final_logit_softcapping": 2.0, "logit_scale": 3.0, "logits_scaling": 0.25}
+# Mixture-of-experts families (each config reads the names it knows), with the router loss switched on.
+MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss", "granitemoe", "granitemoeshared",
+                "granitemoe_swa"}
+MOE_SIZES = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                 shared_expert_intermediate_size=16, output_router_logits=True)
 
 
 def tiny(model_type, **extra):
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **SIZES, **extra)
+    sizes = {**SIZES, **(MOE_SIZES if model_type in MOE_FAMILIES else {})}
+    cfg = AutoConfig.for_model(model_type, **sizes, **extra)
     if model_type == "gpt_neox":
         cfg.rotary_pct = 1.0
     model = AutoModelForCausalLM.from_config(cfg)
@@ -30,11 +36,16 @@ def tiny(model_type, **extra):
 def check_equal(ref, model):
     ids, labels = batch()
     ref.zero_grad(set_to_none=True)
+    torch.manual_seed(3)  # PhiMoE's router samples in training mode: the same draws for both
     r = ref(input_ids=ids, labels=labels)
     r.loss.backward()
+    torch.manual_seed(3)
     o = model(input_ids=ids, labels=labels)
     o.loss.backward()
     torch.testing.assert_close(o.loss, r.loss, rtol=1e-5, atol=0)
+    if getattr(r, "aux_loss", None) is not None:
+        torch.testing.assert_close(o.aux_loss, r.aux_loss, rtol=1e-6, atol=0)
+    assert getattr(o, "aux_loss", None) is None or getattr(r, "aux_loss", None) is not None
     assert_grads_close(grads(ref), grads(model))
     with torch.no_grad():
         ref.eval(), model.eval()
@@ -46,14 +57,21 @@ def test_listed_family_matches_unpatched(model_type):
     facts = FAMILIES[model_type]
     extra = {attr: FACT_VALUES[attr] for attr in (facts.multiply_attr, facts.divide_attr, facts.softcap_attr) if attr}
     ref = tiny(model_type, **extra)
+    assert ("aux_loss" in output_type(type(ref)).__dataclass_fields__) == (model_type in MOE_FAMILIES)
     model = apply_patch(twin(ref))
     check_equal(ref, model)
-    # the fact is what makes the fused loss right: without it the loss would differ
-    if facts != LogitFacts():
+    # each fact is what makes the fused loss right: without it the loss would differ
+    for fact, plain_value in (("facts", LogitFacts()), ("router", None)):
+        state = model.__dict__["_hf_mhce_patch"]
+        if getattr(state, fact) == plain_value:
+            continue
         plain = apply_patch(twin(ref))
-        plain.__dict__["_hf_mhce_patch"].facts = LogitFacts()
+        setattr(plain.__dict__["_hf_mhce_patch"], fact, plain_value)
         ids, labels = batch()
-        assert not torch.allclose(plain(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss)
+        torch.manual_seed(3)
+        ours = plain(input_ids=ids, labels=labels).loss
+        torch.manual_seed(3)
+        assert not torch.allclose(ours, ref(input_ids=ids, labels=labels).loss), fact
 
 
 def test_unlisted_family_accepted_by_probe():
