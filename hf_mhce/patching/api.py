@@ -219,7 +219,7 @@ def _probe(model, out_cls, facts: LogitFacts, router) -> bool:
         reference = type(model).forward(model, input_ids=ids, labels=ids, use_cache=False, **extra)
         ours = generic_forward(model, state, input_ids=ids, labels=ids, use_cache=False, **extra)
         pairs = [(reference.logits, ours.logits), (reference.loss, ours.loss)]
-        if router:
+        if router and (reference.aux_loss is not None or ours.aux_loss is not None):
             pairs.append((reference.aux_loss, ours.aux_loss))
         return all(r.shape == o.shape and torch.allclose(r.float(), o.float(), rtol=1e-4, atol=1e-5) for r, o in pairs)
     except Exception:  # noqa: BLE001 - any failure means the generic path does not fit

@@ -68,6 +68,8 @@ FAMILIES: dict[str, LogitFacts] = {
     "granitemoe": LogitFacts(divide_attr="logits_scaling"),
     "granitemoeshared": LogitFacts(divide_attr="logits_scaling"),
     "granitemoe_swa": LogitFacts(divide_attr="logits_scaling"),
+    "glm4_moe": _PLAIN,  # router logits only: no load-balancing loss
+    "cohere2_moe": LogitFacts(multiply_attr="logit_scale"),  # router logits only
 }
 TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 

@@ -10,8 +10,10 @@ their forward the same way:
 with ``output_router_logits`` (argument, else ``config.output_router_logits``) deciding whether the
 decoder records router logits at all.  The function is a module-level copy in each family's modeling
 file, the counts and the coefficient are attributes of the model instance.  ``RouterFacts`` records
-where they are, so the generic forward adds the same term to the fused loss.  A family that computes
-it otherwise fails the verification probe (api._probe compares aux_loss and loss) and is refused.
+where they are, so the generic forward adds the same term to the fused loss.  Families whose module
+has no such function (GLM-4 MoE, Hunyuan MoE, ...) return router logits but add no loss term.  A
+family that computes it otherwise fails the verification probe (api._probe compares aux_loss and
+loss) and is refused.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ COEF_ATTRS = ("router_aux_loss_coef", "aux_loss_coef")  # the second is JetMoE's
 class RouterFacts:
     """Where an MoE model keeps its load-balancing loss (names only: the state stays picklable)."""
 
-    module: str  # the modeling module defining load_balancing_loss_func
-    coef_attr: str  # the model attribute weighting aux_loss in the loss
+    module: str | None  # the modeling module defining load_balancing_loss_func; None: no aux loss
+    coef_attr: str | None = None  # the model attribute weighting aux_loss in the loss
 
 
 def router_facts(model: nn.Module, stock_forward) -> RouterFacts | str:
@@ -42,7 +44,7 @@ def router_facts(model: nn.Module, stock_forward) -> RouterFacts | str:
     the family's copy of the balancing function)."""
     module = getattr(stock_forward, "__module__", None)
     if module is None or not callable(getattr(importlib.import_module(module), BALANCE_FUNCTION, None)):
-        return f"its output has {list(ROUTER_FIELDS)} but its modeling module {module} defines no {BALANCE_FUNCTION}"
+        return RouterFacts(module=None)  # router logits only (the verification probe checks no loss term is missed)
     missing = [a for a in COUNT_ATTRS if not isinstance(getattr(model, a, None), int)]
     coef = next((a for a in COEF_ATTRS if isinstance(getattr(model, a, None), (int, float))), None)
     if missing or coef is None:

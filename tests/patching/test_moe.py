@@ -118,6 +118,25 @@ def test_unlisted_moe_family_accepted_by_probe():
     torch.testing.assert_close(o.aux_loss, r.aux_loss, rtol=1e-6, atol=0)
 
 
+def test_moe_family_without_router_loss_returns_router_logits():
+    """Hunyuan MoE (outside the table) records router logits but adds no loss term."""
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("hunyuan_v1_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               num_experts=4, moe_topk=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ref = AutoModelForCausalLM.from_config(cfg)
+    model = apply_patch(twin(ref))
+    assert model.__dict__["_hf_mhce_patch"].router.module is None
+    ids, mask, labels = padded_batch()
+    r = ref(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    o = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+    assert r.aux_loss is None and o.aux_loss is None
+    torch.testing.assert_close(o.loss, r.loss, rtol=1e-6, atol=0)
+    assert len(o.router_logits) == len(r.router_logits) == 2
+    for got, want in zip(o.router_logits, r.router_logits):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 class _DoubledRouterLoss(MixtralForCausalLM):
     """A subclass that weights the router loss its own way: the generic forward would not."""
 
