@@ -74,15 +74,16 @@ FAMILIES: dict[str, LogitFacts] = {
 TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 
 # Output fields the generic forward fills: loss and logits itself, the rest from the decoder.
-PASSTHROUGH_FIELDS = ("past_key_values", "hidden_states", "attentions", "cross_attentions")
+PASSTHROUGH_FIELDS = ("past_key_values", "hidden_states", "attentions", "cross_attentions", "cache_params")
 
 REQUIREMENT = (
     "hf_mhce.apply_patch supports the families {tested} (tested end to end), {known} (family table, "
     "checked against the unpatched model), and "
     "any other causal LM whose forward is exactly `logits = model.get_output_embeddings()"
-    "(model.get_decoder()(...).last_hidden_state)`: an nn.Linear head (optionally wrapped by PEFT LoRA or "
+    "(model.get_decoder()(...).last_hidden_state)` (or model.model where get_decoder() returns the model itself): "
+    "an nn.Linear head (optionally wrapped by PEFT LoRA or "
     "modules_to_save) applied to the decoder's last hidden state, returning a ModelOutput with only the "
-    "fields loss, logits, past_key_values, hidden_states, attentions, cross_attentions (and, for a mixture of "
+    "fields loss, logits, past_key_values, hidden_states, attentions, cross_attentions, cache_params (and, for a mixture of "
     "experts, aux_loss and router_logits, with the loss adding transformers' load_balancing_loss_func)"
 )
 
@@ -99,6 +100,19 @@ def unsupported(model: nn.Module, reason: str) -> UnsupportedModelError:
 def defined_in_transformers(function) -> bool:
     """Is ``function`` transformers' own (not a user subclass's override, nor remote code's)?"""
     return (getattr(function, "__module__", None) or "").startswith("transformers.")
+
+
+# Where the decoder sits when get_decoder() finds none and returns the model itself (Llama-4's text
+# model keeps it in .model while its base_model_prefix names "language_model").
+DECODER_FALLBACK_ATTR = "model"
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """``model.get_decoder()``, or the submodule in ``DECODER_FALLBACK_ATTR`` where that returns the model."""
+    decoder = model.get_decoder()
+    if decoder is model and isinstance(getattr(model, DECODER_FALLBACK_ATTR, None), nn.Module):
+        return getattr(model, DECODER_FALLBACK_ATTR)
+    return decoder
 
 
 def stock_forward(model_class: type):
@@ -153,7 +167,7 @@ def check_structure(model: nn.Module) -> tuple[type, nn.Module, RouterFacts | No
     if getattr(model.config, "is_encoder_decoder", False):
         raise unsupported(model, "encoder-decoder models are not causal LMs")
     try:
-        decoder = model.get_decoder()
+        decoder = decoder_of(model)
     except Exception as err:  # noqa: BLE001 - some models raise for exotic layouts
         raise unsupported(model, f"get_decoder() failed ({err})") from err
     if not isinstance(decoder, nn.Module) or decoder is model:

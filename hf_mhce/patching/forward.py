@@ -28,7 +28,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
 from .config import LossConfig
-from .families import LogitFacts, logit_transform, stock_forward
+from .families import LogitFacts, decoder_of, logit_transform, stock_forward
 from .head import fused_operands, mixed_batch_adapters, resolve_head
 from .routers import RouterFacts, router_loss, wants_router_logits
 from .sharding import call_through
@@ -134,7 +134,7 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     if state.router is not None:  # an MoE forward resolves the flag and hands it to its decoder
         kwargs["output_router_logits"] = wants_router_logits(model, kwargs)
 
-    outputs = model.get_decoder()(**kwargs)
+    outputs = decoder_of(model)(**kwargs)
     hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
 
     loss = logits = aux_loss = None

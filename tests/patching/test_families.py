@@ -74,13 +74,24 @@ def test_listed_family_matches_unpatched(model_type):
         assert not torch.allclose(ours, ref(input_ids=ids, labels=labels).loss), fact
 
 
-def test_unlisted_family_accepted_by_probe():
-    assert "phi" not in FAMILIES
-    ref = tiny("phi")  # not in the table; its head has a bias
-    assert ref.get_output_embeddings().bias is not None
+# Outside the table: Phi's head has a bias, Mamba's output carries cache_params, Llama-4's decoder is
+# not found by get_decoder() (decoder_of falls back on .model) and it returns router logits.
+PROBED = {"phi": {}, "mamba": dict(state_size=8), "falcon_mamba": dict(state_size=8),
+          "llama4_text": dict(intermediate_size_mlp=64, num_local_experts=4, num_experts_per_tok=1,
+                              output_router_logits=True)}
+
+
+@pytest.mark.parametrize("model_type", sorted(PROBED))
+def test_unlisted_family_accepted_by_probe(model_type):
+    assert model_type not in FAMILIES
+    ref = tiny(model_type, **PROBED[model_type])
+    assert model_type != "phi" or ref.get_output_embeddings().bias is not None
     model = apply_patch(twin(ref))
     assert model.training  # the probe ran in eval mode and restored the mode
     check_equal(ref, model)
+    ids = batch()[0][:1, :5]
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0),
+                       ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
 
 
 class _ScaledConfig(LlamaConfig):
