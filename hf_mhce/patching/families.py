@@ -53,6 +53,8 @@ FAMILIES: dict[str, LogitFacts] = {
     "gpt_neox": _PLAIN,
     "gemma2": _SOFTCAP,
     "gemma3_text": _SOFTCAP,
+    "vaultgemma": _SOFTCAP,
+    "nanochat": _SOFTCAP,
     "cohere": LogitFacts(multiply_attr="logit_scale"),
     "cohere2": LogitFacts(multiply_attr="logit_scale"),
     "granite": LogitFacts(divide_attr="logits_scaling"),
