@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import weakref
 
 import torch
@@ -165,14 +166,15 @@ class RBECallback(TrainerCallback):
 
     def _real_tokens(self, loader, calls: int, tokens: int) -> int:
         """How many of the batch's tokens belong to real samples.  Under accelerate's ``even_batches``
-        (Trainer's default) the last batch of an eval set whose size is not a multiple of the
-        global batch is completed with samples from the start, which ``gather_for_metrics`` (and so
-        ``eval_loss``) drops; their tokens must not be counted either.  The real samples are the
+        (Trainer's default), or when it dispatches batches from process 0 (``dispatch_batches``, the
+        default for an IterableDataset), the last batch of an eval set whose size is not a multiple of
+        the global batch is completed with samples from the start, which ``gather_for_metrics`` (and
+        so ``eval_loss``) drops; their tokens must not be counted either.  The real samples are the
         first ``remainder`` rows of the batch concatenated over processes."""
-        sampler = getattr(loader, "batch_sampler", None)
         remainder = getattr(loader, "remainder", -1)
+        position = _shard_position(loader)
         if (not getattr(loader, "end_of_dataloader", False) or remainder is None or remainder <= 0
-                or not getattr(sampler, "even_batches", False) or getattr(sampler, "num_processes", 1) <= 1):
+                or position is None or position[1] <= 1):
             return tokens
         per_sample = _sample_tokens(*self._labels) if self._labels is not None and calls == 1 else None
         if per_sample is None or int(per_sample.sum()) != tokens:
@@ -180,7 +182,7 @@ class RBECallback(TrainerCallback):
                            "real ones; the RBE statistics count them (eval_loss does not)")
             return tokens
         samples = per_sample.numel()
-        real = max(0, min(samples, remainder - sampler.process_index * samples))
+        real = max(0, min(samples, remainder - position[0] * samples))
         return int(per_sample[:real].sum())
 
     def on_predict(self, args, state, control, **kwargs):
@@ -304,6 +306,18 @@ def _fan_out(*sinks):
             s(ranks, nll)
 
     return sink
+
+
+def _shard_position(loader) -> tuple[int, int] | None:
+    """(process index, number of processes) of an accelerate eval loader that completes its last
+    batch with repeated samples; None for any other loader."""
+    sampler = getattr(loader, "batch_sampler", None)
+    if getattr(sampler, "even_batches", False):  # BatchSamplerShard: each process draws its own rows
+        return sampler.process_index, sampler.num_processes
+    dispatcher = getattr(sys.modules.get("accelerate.data_loader"), "DataLoaderDispatcher", None)
+    if dispatcher is not None and isinstance(loader, dispatcher) and not getattr(loader, "_drop_last", False):
+        return loader.state.process_index, loader.state.num_processes  # process p gets rows p*b .. (p+1)*b
+    return None
 
 
 def _evaluation_prefix(logs: dict) -> str | None:

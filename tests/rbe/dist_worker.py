@@ -70,12 +70,22 @@ def run(out_dir: str) -> dict:
                    data_collator=DataCollatorWithFlattening())
     with contextlib.redirect_stdout(io.StringIO()):
         metrics.update(flat.evaluate(metric_key_prefix="packed"))
+    # batches dispatched from process 0 (accelerate's default for an IterableDataset): 5 rows over a
+    # global batch of 4, whose last batch process 1 fills with repeated rows
+    dispatched = RBECallback()
+    dispatch_args = TrainingArguments(output_dir=out_dir, per_device_eval_batch_size=EVAL_BATCH, use_cpu=True,
+                                      report_to="none", save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+                                      accelerator_config={"dispatch_batches": True})
+    sent = Trainer(model=trainer.model, args=dispatch_args, eval_dataset=eval_sets()["short"], callbacks=[dispatched])
+    with contextlib.redirect_stdout(io.StringIO()):
+        metrics.update(sent.evaluate(metric_key_prefix="dispatched"))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     result = {
         "world_size": world,
         "trainer": {"metrics": {k: v for k, v in metrics.items() if "_rbe_" in k},
-                    "stats": {p: _stats(s) for p, s in {**callback.last_stats, **packed.last_stats}.items()}},
+                    "stats": {p: _stats(s) for p, s in {**callback.last_stats, **packed.last_stats,
+                                                          **dispatched.last_stats}.items()}},
     }
     rows = eval_sets()["mixed"]  # a DistributedSampler pads uneven sets: this one splits evenly
     sampler = DistributedSampler(rows, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None

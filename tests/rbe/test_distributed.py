@@ -1,6 +1,7 @@
 """Two CPU processes (torch.distributed, gloo) report the same RBE statistics and metrics as one
 process on the same evaluation data: counts exactly, floats to 1e-9; also for eval sets whose size
-is not a multiple of the global batch (accelerate's padding rows are not counted, packed rows too)."""
+is not a multiple of the global batch (accelerate's padding rows are not counted, packed rows and
+batches dispatched from process 0 too)."""
 
 import json
 import subprocess
@@ -51,10 +52,11 @@ def test_two_processes_match_one(tmp_path, monkeypatch):
 
     single = _single_process_reference(tmp_path, monkeypatch)
     assert single["world_size"] == 1
-    assert set(single["trainer"]["stats"]) == {"eval_mixed", "eval_ragged", "eval_short", "packed"}
+    assert set(single["trainer"]["stats"]) == {"eval_mixed", "eval_ragged", "eval_short", "packed", "dispatched"}
     metrics = single["trainer"]["metrics"]  # packing leaves the counted tokens as they are
     assert metrics["packed_rbe_num_tokens"] == metrics["eval_ragged_rbe_num_tokens"]
     assert single["trainer"]["metrics"]["eval_mixed_rbe_num_tokens"] == 8 * 15
     assert single["trainer"]["metrics"]["eval_short_rbe_num_tokens"] == 5 * 15
+    assert single["trainer"]["metrics"]["dispatched_rbe_num_tokens"] == 5 * 15
     _assert_same(dist["trainer"], single["trainer"], "Trainer.evaluate")
     _assert_same(dist["standalone"], single["standalone"], "rbe.evaluate")
