@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import checks, dispatch
@@ -39,8 +41,8 @@ def _reduce(losses, valid, label_shape, reduction, num_items_in_batch):
     if num_items_in_batch is not None:
         divisor = torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype).reshape(())
         value = float(divisor)  # one sync for both tests
-        if not value >= 0:  # negative or NaN
-            raise ValueError(f"num_items_in_batch must be a count >= 0, got {value}")
+        if not 0 <= value < math.inf:  # negative, NaN or infinite (which would give a loss of 0)
+            raise ValueError(f"num_items_in_batch must be a finite count >= 0, got {value}")
         if value == 0:
             if bool(valid.any()):
                 raise ValueError("num_items_in_batch is 0 but some labels are not ignored")
@@ -88,7 +90,7 @@ def multi_head_cross_entropy(
 
     dtypes: ``hidden`` and ``weight`` share a dtype (fp32, bf16, fp16; float64 on the torch
     backend).  Under ``torch.autocast`` they are cast to the autocast dtype as ``nn.Linear`` would
-    be.  Statistics and dW are accumulated in float32 whatever the input dtype.
+    be.  Statistics and dW are accumulated in float32 (float64 for float64 inputs).
 
     backend: "auto" (Triton on CUDA, chunked torch elsewhere), "triton" or "torch"; defaults to
     the environment variable ``HF_MHCE_BACKEND``.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import types
 
@@ -38,6 +39,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
     _check_head(target, cfg.num_heads)
 
     if state is None:
+        _own_config(target)
         sig = mirrored_signature(type(target))
         attr = forward_attr(target)
         state = PatchState(
@@ -60,6 +62,19 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
     if model is not target:  # a PeftModel saves its adapters itself
         install(model)
     return model
+
+
+def _own_config(model) -> None:
+    """Give the model a config object of its own before the loss is recorded in it.  Models built
+    from one config object share it (``LlamaForCausalLM(cfg)`` twice): the record would label the
+    others too, and an unpatched sibling would save as MHCE.  Every submodule holding the config (or
+    one of its sub-configs) is pointed at the copy, so the model stays consistent with itself."""
+    memo: dict = {}
+    model.config = copy.deepcopy(model.config, memo)
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in memo:
+            module.__dict__["config"] = memo[id(held)]
 
 
 # transformers' Trainer reads ``model.accepts_loss_kwargs`` at init to decide whether to pass

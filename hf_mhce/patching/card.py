@@ -27,7 +27,7 @@ different distribution; to reproduce the trained one (generation, evaluation, pe
 
 ```python
 import hf_mhce
-model = hf_mhce.from_pretrained("$name_or_path")
+model = hf_mhce.from_pretrained("$name_or_path")  # or the Hub id this folder is pushed to
 ```
 """
 
@@ -47,8 +47,9 @@ def render_section(model, config, save_directory: str, adapter: bool = False) ->
     saved = config.to_saved()
     rows = "\n".join(f"| {k} | `{v}` |" for k, v in saved.items() if k != "format")
     note = ""
-    if config.loss == "mhce":  # load what was saved here (the model's _name_or_path is where it came from)
-        note = Template(_MHCE_NOTE).substitute(num_heads=config.num_heads, name_or_path=save_directory)
+    if config.loss == "mhce":  # load what was saved here (the model's _name_or_path is where it came from),
+        # by an absolute path: a relative one read from another directory is taken for a Hub id
+        note = Template(_MHCE_NOTE).substitute(num_heads=config.num_heads, name_or_path=os.path.abspath(save_directory))
     extra = ""
     for title, render in model.__dict__.get(SECTIONS_ATTR, {}).items():
         body = render(save_directory)

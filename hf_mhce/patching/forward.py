@@ -241,7 +241,7 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
 def _nan_when_nothing_counts(loss, counted, num_items_in_batch):
     """HF's loss of a batch without any target is 0/0 = NaN, which the Trainer's evaluation leaves
     out of eval_loss (``logging_nan_inf_filter``); the fused loss gives 0.  Report HF's value, but as
-    a constant beside the loss: the gradients stay zero (HF's would be NaN).  No device sync."""
+    a constant beside the loss, so the gradients stay zero, as HF's are.  No device sync."""
     empty = counted == 0
     if num_items_in_batch is not None:  # a count over a larger batch: HF's 0 / count = 0 then
         empty = empty & (torch.as_tensor(num_items_in_batch, device=loss.device) == 0)

@@ -51,6 +51,8 @@ def test_empty_vocabulary_or_hidden_size(shape):
     ("num_items_in_batch", -3, ValueError, "count >= 0"),
     ("num_items_in_batch", torch.tensor(-3), ValueError, "count >= 0"),
     ("num_items_in_batch", float("nan"), ValueError, "count >= 0"),
+    ("num_items_in_batch", float("inf"), ValueError, "finite count >= 0"),
+    ("num_items_in_batch", torch.tensor(float("inf")), ValueError, "finite count >= 0"),
     ("num_items_in_batch", "5", TypeError, "number or a one-element tensor"),
     ("num_items_in_batch", torch.tensor([2, 3]), TypeError, "one-element real tensor"),
     ("num_items_in_batch", True, TypeError, "number or a one-element tensor"),

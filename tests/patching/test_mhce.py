@@ -122,3 +122,34 @@ def test_unpatch_restores_the_config_it_found(tmp_path):
     apply_patch(loaded, z_loss=1e-4)
     unpatch(loaded)
     assert loaded.config.hf_mhce == saved
+
+
+def test_models_sharing_a_config_object_keep_their_own_loss(tmp_path):
+    """Two models built from one config object: patching one must not label the other."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    patched, sibling = LlamaForCausalLM(cfg), LlamaForCausalLM(cfg)
+    apply_patch(patched, loss="mhce", num_heads=H)
+    assert not hasattr(cfg, CONFIG_KEY) and not hasattr(sibling.config, CONFIG_KEY)
+    sibling.save_pretrained(tmp_path / "sibling")  # never patched: saves a plain checkpoint
+    assert CONFIG_KEY not in (tmp_path / "sibling" / "config.json").read_text()
+    apply_patch(sibling, loss="ce")  # its own first patch, not a change of a recorded loss
+    assert sibling.config.hf_mhce["loss"] == "ce" and patched.config.hf_mhce["loss"] == "mhce"
+    # the patched model's submodules follow its config, so later edits still reach its decoder
+    assert all(m.config is patched.config for m in patched.modules() if "config" in m.__dict__)
+    patched.config.use_cache = False
+    assert patched.get_decoder().config.use_cache is False
+
+
+def test_card_loads_by_an_absolute_path(tmp_path, monkeypatch):
+    """The card's loading line works from any directory: a relative save path is written absolute."""
+    monkeypatch.chdir(tmp_path)
+    apply_patch(make_model("llama"), loss="mhce", num_heads=H).save_pretrained("out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    line = next(ln for ln in card.splitlines() if "hf_mhce.from_pretrained(" in ln)
+    path = line.split('"')[1]
+    assert path == str(tmp_path / "out")
+    monkeypatch.chdir("/")
+    assert hf_mhce.from_pretrained(path).config.hf_mhce["loss"] == "mhce"
