@@ -25,13 +25,14 @@ def _demo(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     n, v, d = args.tokens, args.vocab, args.hidden
-    bad = [h for h in args.heads if h < 1 or d % h]
+    bad = [h for h in args.heads if d % h]
     if bad:
-        raise SystemExit(f"--heads {bad}: every head count must be positive and divide --hidden {d}")
+        raise SystemExit(f"--heads {bad}: every head count must divide --hidden {d}")
     hidden = torch.randn(n, d, device=device, dtype=dtype, requires_grad=True)
     weight = (torch.randn(v, d, device=device) / math.sqrt(d)).to(dtype).requires_grad_()
     labels = torch.randint(0, v, (n,), device=device)
-    labels[:: max(1, n // 8)] = -100
+    if n > 1:  # about 8 ignored positions; a step of 1 (fewer than 16 tokens) left no target: NaN losses
+        labels[:: max(2, n // 8)] = -100
 
     print(f"tokens={n} vocab={v} hidden={d} dtype={args.dtype} device={device}")
     print(f"float32 logits would take {n * v * 4 / 2**20:.1f} MiB; the fused ops never build them\n")
@@ -59,7 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"{name:<22}{loss.item():>12.6f}{elapsed:>12.3f}{cell:>16}")
     with torch.no_grad():
         logp = multi_head_logprobs(hidden[:4], weight, max(args.heads))
-    print(f"\nmixture log-probs (H={max(args.heads)}) of 4 tokens sum to {logp.exp().sum(-1).tolist()}")
+    print(f"\nmixture log-probs (H={max(args.heads)}) of {len(logp)} tokens sum to {logp.exp().sum(-1).tolist()}")
     return 0
 
 
@@ -145,11 +146,24 @@ def _load_model(path: str):
     return model
 
 
-def _block_size(text: str) -> int:
+def _whole_number(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts and sizes: 0 or less is refused at once, with the option's name (a
+    --max-blocks -1 evaluated all blocks but one, a --batch-size 0 failed in the DataLoader)."""
+    value = _whole_number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be a positive whole number")
+    return value
+
+
+def _block_size(text: str) -> int:
+    value = _whole_number(text)
     if value < 2:
         raise argparse.ArgumentTypeError(f"{value}: a block needs at least 2 tokens (an input and its target)")
     return value
@@ -160,10 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="the main job: train with CE/MHCE + RBE evaluation (see hf-mhce train --help)")
     demo = sub.add_parser("demo", help="run the fused CE / MHCE ops on a random problem")
-    demo.add_argument("--tokens", type=int, default=2048)
-    demo.add_argument("--vocab", type=int, default=32000)
-    demo.add_argument("--hidden", type=int, default=256)
-    demo.add_argument("--heads", type=int, nargs="+", default=[1, 4])
+    demo.add_argument("--tokens", type=positive_int, default=2048)
+    demo.add_argument("--vocab", type=positive_int, default=32000)
+    demo.add_argument("--hidden", type=positive_int, default=256)
+    demo.add_argument("--heads", type=positive_int, nargs="+", default=[1, 4])
     demo.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     demo.add_argument("--seed", type=int, default=0)
@@ -184,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     rbe.add_argument("--block-size", type=_block_size, default=None,
                      help="tokens per evaluated block, at least 2 and at most the model's positions "
                           "(default: 256, or the model's positions if fewer)")
-    rbe.add_argument("--batch-size", type=int, default=8)
-    rbe.add_argument("--max-blocks", type=int, default=None)
+    rbe.add_argument("--batch-size", type=positive_int, default=8)
+    rbe.add_argument("--max-blocks", type=positive_int, default=None, help="evaluate at most this many blocks")
     rbe.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     rbe.add_argument("--json", default=None, help="write the report as JSON to this file")
     rbe.add_argument("--plot", default=None, help="write the rank distribution (log-log PNG) to this file")

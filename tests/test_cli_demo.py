@@ -1,5 +1,7 @@
 """hf-mhce demo: the fused ops on a random problem, with its argument check."""
 
+import math
+
 import pytest
 
 from hf_mhce.cli import main
@@ -18,5 +20,24 @@ def test_demo_prints_the_fused_losses(capsys):
 
 
 def test_demo_refuses_heads_that_do_not_divide_the_hidden_size():
-    with pytest.raises(SystemExit, match=r"--heads \[5\]: every head count must be positive and divide --hidden 24"):
+    with pytest.raises(SystemExit, match=r"--heads \[5\]: every head count must divide --hidden 24"):
         main(["demo", "--tokens", "8", "--vocab", "50", "--hidden", "24", "--heads", "1", "5"])
+
+
+@pytest.mark.parametrize("flag", ["--tokens", "--vocab", "--hidden", "--heads"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_demo_refuses_counts_below_one(flag, value, capsys):
+    """--vocab 0 was a traceback in random_, --tokens 0 a table of empty rows: argparse names the flag."""
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--tokens", "8", "--vocab", "50", "--hidden", "24", flag, value])
+    assert info.value.code == 2
+    assert f"argument {flag}: {value}: must be a positive whole number" in capsys.readouterr().err
+
+
+def test_demo_with_few_tokens_keeps_targets(capsys):
+    """Under 16 tokens every label was ignored (a step of 1), and every loss printed NaN."""
+    for tokens in ("1", "2", "9"):
+        assert main(["demo", "--tokens", tokens, "--vocab", "50", "--hidden", "8", "--heads", "1", "2"]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("HF eager", "fused"))]
+        values = [float(row[-3]) for row in rows]
+        assert len(values) == 3 and all(math.isfinite(v) and v > 0 for v in values), rows

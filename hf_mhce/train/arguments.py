@@ -15,11 +15,13 @@ class ModelArguments:
         "help": "checkpoint directory or hub id to fine-tune; default: a small Llama built from the sizes below"})
     tokenizer: str | None = field(default=None, metadata={
         "help": "tokenizer path or id; default: the model's, or a BPE trained on the training text"})
-    vocab_size: int = field(default=4096, metadata={"help": "size of the BPE trained when no tokenizer is given"})
-    hidden_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    intermediate_size: int = 384
+    vocab_size: int = field(default=4096, metadata={
+        "help": "size of the BPE trained when no tokenizer is given; at least 257 (256 bytes + EOS)"})
+    # the sizes of the default model (used only without --model)
+    hidden_size: int = field(default=128, metadata={"help": "hidden size of the default Llama"})
+    num_hidden_layers: int = field(default=2, metadata={"help": "layers of the default Llama"})
+    num_attention_heads: int = field(default=4, metadata={"help": "attention heads of the default Llama"})
+    intermediate_size: int = field(default=384, metadata={"help": "MLP size of the default Llama"})
 
 
 @dataclass
@@ -27,14 +29,14 @@ class DataArguments:
     dataset: str | None = field(default=None, metadata={
         "help": "datasets name, saved dataset directory or text/json/csv/parquet file; default: the embedded "
                 "corpus (Python's documentation from pydoc_data.topics) with stdlib source as a second eval set"})
-    dataset_config: str | None = None
-    text_column: str = "text"
-    train_split: str = "train"
+    dataset_config: str | None = field(default=None, metadata={"help": "configuration name of a datasets dataset"})
+    text_column: str = field(default="text", metadata={"help": "column holding the text"})
+    train_split: str = field(default="train", metadata={"help": "training split"})
     eval_split: str = field(default="validation", metadata={
         "help": "evaluation split; if the dataset has none, --eval_fraction of the training text is held out"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of the training text held out, in (0, 1)"})
     block_size: int = field(default=64, metadata={"help": "tokens per training / evaluation block (>= 2)"})
-    max_train_blocks: int | None = None
+    max_train_blocks: int | None = field(default=None, metadata={"help": "training blocks kept; None = all"})
     max_eval_blocks: int | None = field(default=64, metadata={"help": "per evaluation set; None = all"})
 
 
@@ -46,7 +48,7 @@ class LossArguments:
         "help": "MHCE heads (must divide the hidden size); default: the checkpoint's, else 4"})
     label_smoothing: float = field(default=0.0, metadata={
         "help": "in the fused loss (--label_smoothing_factor is routed here)"})
-    z_loss: float = 0.0
+    z_loss: float = field(default=0.0, metadata={"help": "weight of the z-loss (log-partition squared) in the fused loss"})
     override_saved: bool = field(default=False, metadata={
         "help": "allow a --loss/--num_heads different from the one saved in a checkpoint"})
     rbe_plots: bool = field(default=True, metadata={"help": "write RBE plots to <output_dir>/rbe (matplotlib)"})
@@ -57,8 +59,8 @@ class LossArguments:
 @dataclass
 class LoraArguments:
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains the full model"})
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
+    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
     lora_target_modules: str = field(default="q_proj,v_proj", metadata={
         "help": "comma-separated module names, or all-linear; add lm_head to adapt the head (exact with the fused loss)"})
 
@@ -71,18 +73,25 @@ class TrainArguments(TrainingArguments):
         "help": "where everything is written; the model or adapter an earlier run saved there is replaced"})
     max_steps: int = field(default=600, metadata={
         "help": "training steps; --num_train_epochs given without --max_steps trains by epochs instead"})
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 16
-    learning_rate: float = 3e-3
-    weight_decay: float = 0.01
-    warmup_steps: int = 50
-    lr_scheduler_type: str = "cosine"
-    eval_strategy: str = "steps"
-    eval_steps: int = 150
-    logging_steps: int = 100
-    save_strategy: str = "no"
-    seed: int = 0
-    disable_tqdm: bool = True
+    # Every default this job changes is redefined with a help text: argparse prints "(default: ...)"
+    # only for options that have one.  The types stay TrainingArguments' (steps may be ratios).
+    num_train_epochs: float = field(default=3.0, metadata={
+        "help": "epochs to train; applies only without --max_steps (or with --max_steps -1): otherwise "
+                "--max_steps decides, as in the default run"})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "training batch size per device"})
+    per_device_eval_batch_size: int = field(default=16, metadata={"help": "evaluation batch size per device"})
+    learning_rate: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay"})
+    warmup_steps: float = field(default=50, metadata={
+        "help": "linear warmup steps (a float in [0, 1): a share of the training steps)"})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "learning-rate schedule after the warmup"})
+    eval_strategy: str = field(default="steps", metadata={"help": "when to evaluate: no, steps or epoch"})
+    eval_steps: float | None = field(default=150, metadata={"help": "steps between evaluations (with RBE metrics)"})
+    logging_steps: float = field(default=100, metadata={"help": "steps between training-loss logs"})
+    save_strategy: str = field(default="no", metadata={
+        "help": "intermediate checkpoints: no, steps or epoch (the final model is always saved to --output_dir)"})
+    seed: int = field(default=0, metadata={"help": "random seed (model initialisation, data order)"})
+    disable_tqdm: bool = field(default=True, metadata={"help": "no progress bars (the job prints its own table)"})
 
 
 ALL_ARGUMENTS = (ModelArguments, DataArguments, LossArguments, LoraArguments, TrainArguments)
@@ -102,22 +111,49 @@ def requested_loss(loss_args, saved: dict | None) -> tuple[str | None, int | Non
 
 
 def checkpoint_facts(path: str) -> tuple[dict | None, object]:
-    """patching.config.checkpoint_config of --model, after naming a local path that does not exist."""
+    """patching.config.checkpoint_config of --model, after naming a local path that does not exist.
+    An adapter saved without hf_mhce.json gets its base's record, as from_pretrained gives it."""
     import os
 
-    from ..patching.config import checkpoint_config
+    from ..patching.config import CONFIG_KEY, adapter_base, checkpoint_config
     from ..rbe.data import looks_like_a_path
 
     if not os.path.exists(os.path.expanduser(path)) and looks_like_a_path(path):
         raise ValueError(f"--model {path}: no such directory")
-    return checkpoint_config(path)
+    saved, config = checkpoint_config(path)
+    if saved is None and adapter_base(path) is not None:
+        saved = getattr(config, CONFIG_KEY, None)
+    return saved, config
+
+
+def explained(patch, *args, **options):
+    """``patch(*args, **options)`` with a SavedLossMismatchError told in this command's options."""
+    from ..patching import SavedLossMismatchError
+
+    try:
+        return patch(*args, **options)
+    except SavedLossMismatchError as err:
+        hint = "hf-mhce train: --override_saved, or leave out --loss / --num_heads to keep the checkpoint's"
+        raise SavedLossMismatchError(f"{err} ({hint})") from None
+
+
+def min_vocab_size() -> int:
+    """The smallest BPE corpus.train_tokenizer makes: its initial alphabet and special tokens, no merges
+    (a smaller --vocab_size was silently raised to it)."""
+    from tokenizers import pre_tokenizers
+
+    from .corpus import SPECIAL_TOKENS
+
+    return len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
 
 
 def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict | None, object | None]:
     """Refuse inconsistent options before any data is read or tokenizer trained; returns
     ``checkpoint_facts`` of --model ((None, None) without one)."""
-    from ..patching import LossConfig
+    from ..patching.config import resolve_config
 
+    if lora_args.lora_r < 0:
+        raise ValueError(f"--lora_r {lora_args.lora_r} must be >= 0 (0 trains the full model)")
     if lora_args.lora_r > 0 and not model_args.model:
         raise ValueError("--lora_r adapts a pretrained model: give its checkpoint with --model (without one the base "
                          "is a random Llama that is never saved, so the adapter could not be loaded again)")
@@ -126,6 +162,16 @@ def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict |
 
         if not plots.available():
             raise ValueError(f"{plots.MISSING}, or pass --no_rbe_plots")
+    if model_args.vocab_size < min_vocab_size():
+        raise ValueError(f"--vocab_size {model_args.vocab_size} is less than {min_vocab_size()}, the smallest byte-level "
+                         "BPE (256 byte tokens and EOS)")
+    if not model_args.model:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            if getattr(model_args, name) < 1:
+                raise ValueError(f"--{name} {getattr(model_args, name)} must be at least 1")
+        if model_args.hidden_size % model_args.num_attention_heads:
+            raise ValueError(f"--num_attention_heads {model_args.num_attention_heads} does not divide "
+                             f"--hidden_size {model_args.hidden_size}")
     if data_args.block_size < 2:
         raise ValueError(f"--block_size {data_args.block_size}: a block needs at least 2 tokens (an input and its target)")
     if not 0 < data_args.eval_fraction < 1:
@@ -136,14 +182,15 @@ def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict |
     if loss_args.sample_tokens < 0 or (loss_args.sample_tokens and not loss_args.sample_prompt):
         raise ValueError("--sample_tokens must be >= 0 and --sample_prompt not empty (--sample_tokens 0: no sample)")
     saved, config = checkpoint_facts(model_args.model) if model_args.model else (None, None)
+    # the config the model will be patched with, resolved against the checkpoint's record as
+    # build_model's apply_patch will: a refused change of the saved loss is named before the data is read
     loss, heads = requested_loss(loss_args, saved)
-    if loss is not None:  # checked before the checkpoint's weights are read
-        LossConfig(loss=loss, num_heads=1 if heads is None else heads,
-                   label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
+    cfg = explained(resolve_config, saved, None, loss, heads,
+                    {"label_smoothing": loss_args.label_smoothing, "z_loss": loss_args.z_loss}, loss_args.override_saved)
     hidden = getattr(config, "hidden_size", None) if config is not None else model_args.hidden_size
-    if loss == "mhce" and heads is not None and hidden and hidden % heads:
+    if cfg.loss == "mhce" and hidden and hidden % cfg.num_heads:
         where = f"the hidden size {hidden} of {model_args.model}" if config is not None else f"--hidden_size {hidden}"
-        raise ValueError(f"--num_heads {heads} does not divide {where}")
+        raise ValueError(f"--num_heads {cfg.num_heads} does not divide {where}")
     return saved, config
 
 

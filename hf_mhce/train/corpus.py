@@ -13,6 +13,7 @@ import importlib
 import inspect
 
 EOS = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS]  # added to the BPE beside its 256 byte tokens
 _CODE_MODULES = ("textwrap", "string", "json.decoder", "json.encoder", "shlex", "fnmatch")
 
 
@@ -39,7 +40,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS)

@@ -16,7 +16,8 @@ import torch
 from .. import patching
 from ..rbe import RBECallback
 from . import corpus
-from .arguments import DataArguments, check_arguments, check_schedule, fuse_label_smoothing, requested_loss
+from .arguments import (DataArguments, check_arguments, check_schedule, explained, fuse_label_smoothing,
+                        requested_loss)
 
 DEFAULT_EVAL_SPLIT = DataArguments.eval_split
 # what a save leaves in output_dir: a full model, or a PEFT adapter (with hf_mhce's record beside it)
@@ -51,7 +52,7 @@ def build_model(model_args, loss_args, tokenizer, saved=None):
     options = dict(loss=loss, num_heads=num_heads, override_saved=loss_args.override_saved,
                    label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
     if model_args.model:  # patched as it loads: no interim record a requested loss would have to override
-        return _explained(patching.from_pretrained, model_args.model, **options)
+        return explained(patching.from_pretrained, model_args.model, **options)
     else:
         config = LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=model_args.hidden_size,
@@ -60,15 +61,7 @@ def build_model(model_args, loss_args, tokenizer, saved=None):
             max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
         )
-        return _explained(patching.apply_patch, LlamaForCausalLM(config), **options)
-
-
-def _explained(patch, *args, **options):
-    try:
-        return patch(*args, **options)
-    except patching.SavedLossMismatchError as err:
-        hint = "hf-mhce train: --override_saved, or leave out --loss / --num_heads to keep the checkpoint's"
-        raise patching.SavedLossMismatchError(f"{err} ({hint})") from None
+        return explained(patching.apply_patch, LlamaForCausalLM(config), **options)
 
 
 def add_lora(model, lora_args):

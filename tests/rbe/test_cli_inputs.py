@@ -243,3 +243,21 @@ def test_padded_token_id_rows_carry_their_mask(ckpt, tmp_path):
     report = _run(root / "gpt2", "--dataset", tmp_path / "padded", "--batch-size", 3, tmp_path=tmp_path)
     assert report["num_tokens"] == n == 11 + 4 + 11
     assert report["cross_entropy"] == pytest.approx(want, rel=1e-5)
+
+
+# -- counts -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag,value", [("--max-blocks", "-1"), ("--max-blocks", "0"), ("--batch-size", "0"),
+                                        ("--batch-size", "-4")])
+def test_counts_below_one_are_refused_by_name(flag, value, tmp_path, capsys):
+    """--max-blocks -1 evaluated all blocks but one, --max-blocks 0 said the file had no text, --batch-size 0
+    failed in the DataLoader after the model was loaded: now argparse names the flag before anything loads."""
+    msg = _refused(tmp_path / "not-loaded", "--dataset", tmp_path / "not-read.txt", flag, value, capsys=capsys)
+    assert f"argument {flag}: {value}: must be a positive whole number" in msg
+
+
+def test_max_blocks_limits_the_blocks(ckpt, tmp_path, capsys):
+    root, _ = ckpt
+    report = _run(root / "gpt2", "--dataset", root / "c.txt", "--block-size", 16, "--max-blocks", 1, "--batch-size", 1,
+                  tmp_path=tmp_path)
+    assert report["num_tokens"] == 15 and "(1 blocks)" in capsys.readouterr().out

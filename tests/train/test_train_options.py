@@ -85,6 +85,10 @@ def test_a_used_output_dir_is_not_mixed_into(plain, tmp_path):
     (["--sample_tokens", "-1"], "--sample_tokens must be >= 0"),
     (["--sample_prompt", ""], "--sample_prompt not empty"),
     (["--model", "./no/such/dir"], "--model ./no/such/dir: no such directory"),
+    (["--vocab_size", "10"], "--vocab_size 10 is less than 257, the smallest byte-level BPE"),
+    (["--hidden_size", "0"], "--hidden_size 0 must be at least 1"),
+    (["--num_attention_heads", "3"], "--num_attention_heads 3 does not divide --hidden_size 32"),
+    (["--lora_r", "-1"], "--lora_r -1 must be >= 0"),
     (["--max_steps", "0"], "--max_steps 0 with --num_train_epochs 3.0 trains nothing"),
     (["--max_steps", "-1", "--num_train_epochs", "0"], "--max_steps -1 with --num_train_epochs 0.0 trains nothing"),
 ])
@@ -103,6 +107,62 @@ def test_checkpoint_facts_are_checked_before_any_data_is_read(plain, tmp_path, m
     monkeypatch.setattr(job, "build_datasets", lambda *_: pytest.fail("data read before the options were checked"))
     with pytest.raises(ValueError, match=re.escape(f"--num_heads 3 does not divide the hidden size 32 of {ckpt}")):
         _run(tmp_path / "o", "--model", ckpt, "--num_heads", "3")
+
+
+def test_a_refused_loss_change_is_named_before_any_data_is_read(tmp_path, monkeypatch):
+    """--loss ce on an MHCE checkpoint: the explained SavedLossMismatchError came from build_model, after
+    the data was read and tokenized (the README says inconsistent options fail before)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_mhce.train import corpus, job
+    from hf_mhce.train.arguments import checkpoint_facts
+
+    ckpt = tmp_path / "mhce"
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=4))
+    hf_mhce.apply_patch(model, loss="mhce", num_heads=2).save_pretrained(ckpt)  # records mhce, 2 heads
+    for name in ("build_datasets", "build_tokenizer", "build_model"):
+        monkeypatch.setattr(job, name, lambda *_, **__: pytest.fail("data or model read before the options were checked"))
+    monkeypatch.setattr(corpus, "embedded_texts", lambda *_: pytest.fail("corpus read"))
+    for extra in (["--loss", "ce"], ["--num_heads", "4"]):
+        with pytest.raises(hf_mhce.patching.SavedLossMismatchError,
+                           match="--override_saved, or leave out --loss / --num_heads"):
+            _run(tmp_path / "o", "--model", str(ckpt), *extra)
+    # a plain PEFT adapter (no hf_mhce.json beside it) is loaded with its base's record: checked against it
+    base = LlamaForCausalLM.from_pretrained(ckpt)  # transformers' own load: the adapter records ckpt as its base
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "a")
+    assert not (tmp_path / "a" / "hf_mhce.json").exists()
+    assert checkpoint_facts(str(tmp_path / "a"))[0] == hf_mhce.from_pretrained(ckpt).config.hf_mhce
+
+
+def test_vocab_size_minimum_is_what_the_tokenizer_trainer_makes():
+    from hf_mhce.train.arguments import check_arguments, min_vocab_size
+    from hf_mhce.train.corpus import train_tokenizer
+
+    assert len(train_tokenizer(["a small text"], 1)) == min_vocab_size() == 257  # 1 was raised to it silently
+    assert check_arguments(*parse(["--vocab_size", "257", "--no_rbe_plots"])[:4]) == (None, None)
+
+
+def test_help_shows_the_jobs_own_defaults(capsys, monkeypatch):
+    """Options this job redefines had no help text, so --help printed no default for them (3e-3, cosine,
+    batch 8, ...) while it printed TrainingArguments' --num_train_epochs 3.0, which max_steps overrides."""
+    from hf_mhce.train.arguments import ALL_ARGUMENTS, TrainArguments
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per help text
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    out = capsys.readouterr().out
+    helps = dict(re.findall(r"^  --(\w+)[^\n]*?(?:\n {20,}|  )(\S[^\n]*)$", out, re.M))
+    fields = {name: f for cls in ALL_ARGUMENTS for name, f in cls.__dataclass_fields__.items()}
+    own = [name for cls in ALL_ARGUMENTS[:-1] for name in cls.__dataclass_fields__]
+    for name in own + list(TrainArguments.__annotations__):  # TrainingArguments' fields given new defaults
+        assert f"(default: {fields[name].default})" in helps.get(name, ""), name
+    for shown in ("0.003", "cosine", "600", "8", "50", "150", "no"):
+        assert f"(default: {shown})" in out
+    assert "applies only without --max_steps" in helps["num_train_epochs"]
+    *_, args = parse(["--warmup_steps", "0.1", "--eval_steps", "0.5"])  # ratios, as TrainingArguments takes them
+    assert (args.warmup_steps, args.eval_steps, args.learning_rate, args.max_steps) == (0.1, 0.5, 3e-3, 600)
 
 
 def test_tokenizer_and_split_problems_are_named(plain, tmp_path):
