@@ -9,7 +9,8 @@ pipeline for sm_90a and sm_80: TTIR -> PTX -> cubin with the ptxas that ships wi
 catches what the interpreter cannot (code that only fails to compile, a tile that needs more shared
 memory than the SM has) and shows each variant's registers, spill bytes and MMA instructions (wgmma
 on Hopper), so tile candidates that spill can be ruled out before device time is spent on them.
-Speed is not measured here: that needs the GPU (tile_sweep.py).
+Speed is not measured here: that needs the GPU (tile_sweep.py).  Writes <out>/compile-check-<date>.json
+and .md, with non-default options in the name (records.py's rule: ``--sweep`` adds ``-sweep``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interprete
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from records import write_record  # noqa: E402
+from records import Record, add_out_options  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -157,25 +158,26 @@ def sweep_candidates():
         yield "ce fp32", kernel, {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": bk, "num_warps": 8}
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--sweep", action="store_true", help="also compile candidate tiles (bf16 and fp32 CE, sm_90a)")
-    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
-    args = p.parse_args()
+    add_out_options(p)
+    args = p.parse_args(argv)
+    stamp = datetime.date.today().isoformat()
+    record = Record(p, args, f"compile-check-{stamp}")
     rows = check({k: VARIANTS[k] for k in args.variants}, args.arch)
     if args.sweep:
         for variant, kernel, tile in sweep_candidates():
             rows += [{**row, "variant": f"sweep {kernel}" + (", fp32" if "fp32" in variant else "")} for row in
                      check({variant: VARIANTS[variant]}, ["sm_90a"], {kernel: tile}, f"_{kernel}_kernel")]
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    stamp = datetime.date.today().isoformat()
     lines = [f"# Triton kernels compiled for {', '.join(args.arch)} without a GPU ({stamp}, triton {triton.__version__})",
              "", "Registers and spill bytes from ptxas -v; shared memory from Triton's metadata. No timings.", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    write_record(args.out, f"compile-check-{stamp}", rows, "\n".join(lines))
+    record.write(rows, "\n".join(lines))
     failed = [r for r in rows if "error" in r or not r.get("shared_fits", True)]
     if failed and not args.sweep:
         raise SystemExit(f"{len(failed)} launch(es) failed to compile or need more shared memory than the SM has")

@@ -10,7 +10,8 @@ floor: the same step with the decoder only (the head's weight still trained, wit
 that the memory of the model, optimizer and decoder activations is told apart from the loss's.  Reported: the peak
 RSS of the whole process (VmHWM: what the machine must have), the peak during the timed steps above
 the RSS before them (the step's own extra memory), and the median step time.  Targets: peak RSS <=
-0.25x HF eager, time <= 1.2x.  Writes benchmarks/results/cpu_llama_step-<date>.json and .md.
+0.25x HF eager, time <= 1.2x.  Writes benchmarks/results/cpu_llama_step-<date>.json and .md (a
+partial run such as the second example above: ...-<date>-tokens_2048-variants_eager-ce; records.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from records import write_record
+from records import Record, add_out_options, positive_int
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = {"eager": {}, "ce": {"loss": "ce"}, "mhce4": {"loss": "mhce", "num_heads": 4}, "no_head": {}}
@@ -87,24 +88,28 @@ def child(args) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
+    for name, default in (("vocab", 128256), ("hidden", 256), ("layers", 2), ("tokens", 4096), ("seq", 1024),
+                          ("steps", 3), ("threads", 2)):
+        p.add_argument(f"--{name}", type=positive_int, default=default)
     p.add_argument("--tie", action="store_true",
                    help="head tied to the input embedding, as Llama-3.2-1B/3B (one [V, D] matrix, not two)")
     p.add_argument("--lora-head", action="store_true",
                    help="PEFT LoRA (r=16) on q_proj, v_proj and lm_head, base weights frozen")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child process
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    add_out_options(p)
     args = p.parse_args(argv)
+    # checked here, not in the child: there a bad size fails deep inside Llama (a reshape of 0 rows)
+    if args.tokens % args.seq:
+        p.error(f"--tokens ({args.tokens}) must be a multiple of --seq ({args.seq}): the batch is tokens/seq rows")
+    if args.hidden % 8:
+        p.error(f"--hidden ({args.hidden}) must be a multiple of 8: 4 attention heads of even size (RoPE)")
     if args.variant:
         print(json.dumps(child(args)))
         return {}
+    today = datetime.date.today().isoformat()
+    suffix = ("-tied" if args.tie else "") + ("-lora-head" if args.lora_head else "")
+    record = Record(p, args, f"cpu_llama_step{suffix}-{today}", named={"tie", "lora_head"})
     rows = []
     for variant in args.variants:
         cmd = [sys.executable, os.path.abspath(__file__), "--variant", variant,
@@ -118,7 +123,6 @@ def main(argv=None) -> dict:
         r = rows[-1]
         print(f"{variant:6s} peak {r['process_peak_mb']:7.0f} MB  step extra {r['step_extra_mb']:7.0f} MB  "
               f"step {r['step_seconds']:.2f} s  loss {r['loss']:.4f}", flush=True)
-    today = datetime.date.today().isoformat()
     result = {"date": today, "device": f"CPU, {os.cpu_count()} cores", "threads": args.threads, "tied": args.tie,
               "lora_head": args.lora_head,
               **{k: getattr(args, k) for k in ("vocab", "hidden", "layers", "tokens", "seq", "steps")},
@@ -140,8 +144,7 @@ def main(argv=None) -> dict:
         lines.append(f"| {r['variant']} | {r['process_peak_mb']:.0f} | {ratio('process_peak_mb')} | "
                      f"{r['rss_before_steps_mb']:.0f} | {r['step_extra_mb']:.0f} | "
                      f"{ratio('step_extra_mb')} | {r['step_seconds']:.2f} | {ratio('step_seconds')} | {r['loss']:.4f} |")
-    suffix = ("-tied" if args.tie else "") + ("-lora-head" if args.lora_head else "")
-    write_record(args.out, f"cpu_llama_step{suffix}-{today}", result, "\n".join(lines))
+    record.write(result, "\n".join(lines))
     return result
 
 

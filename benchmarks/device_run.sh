@@ -1,41 +1,74 @@
 #!/usr/bin/env bash
-# Everything owed to a GPU, in two calls of the device tool (10 minutes each; results land in $OUT,
-# then are copied into benchmarks/results/ and committed with date and device):
+# Everything owed to a GPU, in three calls of the device tool (10 minutes each), from any directory:
 #   run(command="bash benchmarks/device_run.sh tune",  carry=[".whl"])   # correctness + tile sweep
 #   (put the sweep's winners into hf_mhce/ops/triton_tile.py's _GPU_DEFAULTS, then)
 #   run(command="bash benchmarks/device_run.sh peers llama3", carry=[".whl"])           # the P6 table with
 #   run(command="bash benchmarks/device_run.sh peers gpt2 mistral7b", carry=[".whl"])   # those tiles
+# What lands in $OUT (the tool returns at most 8 files, and a stage writes up to 10 records):
+# device.txt, log.txt (every table is printed there too), failures.txt (only if a step failed) and
+# records.tar.gz (each record's .json and .md, repacked after every step so that a run cut short
+# keeps what it finished). Unpack with `tar -xzkf records.tar.gz -C benchmarks/results` (-k: an
+# existing record is never replaced) and commit them with date and device.
 # The device image has torch, triton, transformers, peft and accelerate but no network: hf_mhce runs
 # from the checkout (PYTHONPATH), and the peers travel as wheels in .whl/ (git-ignored), fetched
 # beforehand where PyPI is reachable:  pip download --no-deps -d .whl liger-kernel cut-cross-entropy
 set -uo pipefail  # no -e: one failing step must not cost the others (failures.txt says which)
-STAGE=${1:-tune}
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
+usage() {
+  echo "usage: bash benchmarks/device_run.sh tune | peers [gpt2|mistral7b|llama3 ...]   (needs an NVIDIA GPU;" \
+       "results in \$OUT, default a new folder under /tmp)" >&2
+  exit 2
+}
+die() { echo "device_run.sh: $*" >&2; exit 1; }
+
+# Arguments first, then the GPU: nothing is written before both are known to be good.
+STAGE=${1:-}
+case "$STAGE" in
+  tune) [ $# -eq 1 ] || usage ;;
+  peers) for shape in "${@:2}"; do case "$shape" in gpt2|mistral7b|llama3) ;; *) usage ;; esac; done ;;
+  *) usage ;;
+esac
+shift
+OUT=${OUT:-/tmp/device_run-$STAGE-$(date +%Y%m%d-%H%M%S)}
+case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac  # relative to where it was called, before the cd
+cd "$(dirname "$0")/.." || die "cannot cd to the repository root"
+command -v nvidia-smi >/dev/null || die "nvidia-smi not found: this needs a machine with an NVIDIA GPU"
+GPU=$(nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv) || die "nvidia-smi failed: no usable GPU"
+python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' \
+  || die "python3's torch sees no CUDA GPU (torch.cuda.is_available() is not True)"
+[ -e "$OUT/records.tar.gz" ] && die "$OUT already holds records.tar.gz: use a fresh \$OUT"
+
+mkdir -p "$OUT" || die "cannot create $OUT"
+RECORDS=$(mktemp -d) || die "mktemp failed"  # outside $OUT, so that only the packed records go back
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
-step() {  # step NAME COMMAND...: run, log, record a failure without stopping
+echo "$GPU" | tee "$OUT/device.txt"
+pack() {  # the records so far, as one file
+  [ -n "$(ls -A "$RECORDS")" ] || return 0
+  tar -czf "$RECORDS.tar.gz" -C "$RECORDS" . && mv -f "$RECORDS.tar.gz" "$OUT/records.tar.gz"
+}
+trap 'pack && rm -rf "$RECORDS"' EXIT  # the loose records are kept where packing failed
+step() {  # step NAME COMMAND...: run, log, record a failure without stopping, pack the records
   local name=$1; shift
   "$@" 2>&1 | tee -a "$OUT/log.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || echo "$name failed" >> "$OUT/failures.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || echo "$name failed" | tee -a "$OUT/failures.txt"
+  pack
 }
 case "$STAGE" in
   tune)
     # 1. kernels vs float64 at LLM shapes (P1), and N*V > 2^31
-    step gpu_suite python3 benchmarks/gpu_suite.py --out "$OUT"
-    step gpu_suite_2pow31 python3 benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16 --out "$OUT"
+    step gpu_suite python3 benchmarks/gpu_suite.py --out "$RECORDS"
+    step gpu_suite_2pow31 python3 benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16 --out "$RECORDS"
     step gpu_suite_lora python3 benchmarks/gpu_suite.py --tokens 4096 --heads 1 4 --dtypes bfloat16 --lora-rank 16 \
-      --reps 3 --out "$OUT"
+      --reps 3 --out "$RECORDS"
     # rank ties with duplicated target rows (the target logit rounds like the sweep's tiles)
-    step gpu_ties python3 benchmarks/gpu_ties.py --out "$OUT"
+    step gpu_ties python3 benchmarks/gpu_ties.py --out "$RECORDS"
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
-    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 300 --out "$OUT"
+    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 300 --out "$RECORDS"
     ;;
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || echo "peer wheels not installed" >> "$OUT/failures.txt"
-    shift
-    step peers python3 benchmarks/peers.py --out "$OUT" ${1:+--shapes "$@"}
+      || echo "peer wheels not installed" | tee -a "$OUT/failures.txt"
+    step peers python3 benchmarks/peers.py --out "$RECORDS" ${1:+--shapes "$@"}
     ;;
-  *) echo "usage: device_run.sh tune|peers" >&2; exit 2 ;;
 esac
+echo "results in $OUT"
+[ ! -s "$OUT/failures.txt" ]  # the exit status says whether every step passed

@@ -10,7 +10,8 @@ optionally patched (hf_mhce CE, or MHCE with 4 heads), and trained for --steps s
 --seq tokens per process (forward, backward, AdamW step).  After one warm-up step, the peak resident
 set size (VmHWM, reset through /proc/self/clear_refs) above the RSS before the step is the step's
 extra memory; the time is the median step.  Reported per process (the maximum over the two).
-Writes benchmarks/results/distributed_step_cpu-<date>.json and .md.  CPU only (gloo); the GPU
+Writes benchmarks/results/distributed_step_cpu-<date>.json and .md (non-default options added to the
+name: records.py's rule).  CPU only (gloo); the GPU
 variant (NCCL, bf16) is owed to the device runs.
 """
 
@@ -28,7 +29,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 from proc_memory import reset_peak, status_bytes
-from records import write_record
+from records import Record, add_out_options, positive_int
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
@@ -111,18 +112,18 @@ def run_config(cfg: dict, world: int) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=2, help="rows per process")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--world", type=int, default=2)
+    for name, default, what in (("vocab", 128256, None), ("hidden", 256, None), ("layers", 2, None), ("seq", 512, None),
+                                ("batch", 2, "rows per process"), ("steps", 3, None),
+                                ("threads", 1, "torch threads per process"), ("world", 2, "processes")):
+        p.add_argument(f"--{name}", type=positive_int, default=default, help=what)
     p.add_argument("--wraps", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
     p.add_argument("--modes", nargs="+", default=["unpatched", "ce", "mhce"], choices=["unpatched", "ce", "mhce"])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    add_out_options(p)
     args = p.parse_args(argv)
+    if args.hidden % 8:
+        p.error(f"--hidden ({args.hidden}) must be a multiple of 8: 4 attention heads of even size (RoPE)")
+    today = datetime.date.today().isoformat()
+    record = Record(p, args, f"distributed_step_cpu-{today}")
     shape = {k: getattr(args, k) for k in ("vocab", "hidden", "layers", "seq", "batch", "steps", "threads")}
     rows = []
     for wrap in args.wraps:
@@ -130,7 +131,6 @@ def main(argv=None) -> dict:
             rows.append(run_config({**shape, "wrap": wrap, "mode": mode}, args.world))
             print(f"{wrap:6s} {mode:9s} extra {rows[-1]['extra_mb']:8.1f} MB  step {rows[-1]['step_seconds']:.2f} s  "
                   f"loss {rows[-1]['loss']:.4f}", flush=True)
-    today = datetime.date.today().isoformat()
     tokens = args.batch * args.seq
     logits_mb = tokens * args.vocab * 4 / 2**20
     result = {"date": today, "device": f"CPU, {os.cpu_count()} cores, gloo", "torch": torch.__version__,
@@ -149,7 +149,7 @@ def main(argv=None) -> dict:
         tim = f"{r['step_seconds'] / base['step_seconds']:.2f}x" if base else "-"
         lines.append(f"| {r['wrap']} | {r['mode']} | {r['extra_mb']:.0f} | {mem} | {r['step_seconds']:.2f} | {tim} | "
                      f"{r['loss']:.4f} |")
-    write_record(args.out, f"distributed_step_cpu-{today}", result, "\n".join(lines))
+    record.write(result, "\n".join(lines))
     return result
 
 

@@ -8,8 +8,9 @@ For every (dtype, H): the Triton backend's loss, dX, dW and dB against a float64
 chunked torch backend run in float64 on the same device, itself checked against a materialised
 reference by the CPU tests), the same-dtype eager error for 16-bit inputs (logits materialised in
 the input dtype, then float32 cross-entropy, as transformers does), forward+backward time and peak
-extra memory.  Writes a markdown table and JSON named <device>-<date>.  With --device cpu and
-TRITON_INTERPRET=1 it runs at small shapes to check the script itself.
+extra memory.  Writes a markdown table and JSON named <device>-<date>-gpu-suite (records.py's naming
+rule).  ``TRITON_INTERPRET=1 python benchmarks/gpu_suite.py --device cpu --small`` runs it at small
+shapes (N=64, V=517, D=48 unless given) to check the script itself; off CUDA, --small is required.
 """
 
 from __future__ import annotations
@@ -18,12 +19,11 @@ import argparse
 import datetime
 import json
 import math
-import os
 import time
 
 import torch
 import torch.nn.functional as F
-from records import device_label, write_record
+from records import DTYPES, Record, add_out_options, check_device, device_label, positive_int
 
 from hf_mhce import multi_head_cross_entropy
 
@@ -108,36 +108,46 @@ def run_case(n, v, d, heads, dtype, device, reps, rank=0):
     return row
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--heads", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+FULL, SMALL = (8192, 128256, 4096), (64, 517, 48)  # N, V, D
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=positive_int, help=f"N (default {FULL[0]}; --small: {SMALL[0]})")
+    p.add_argument("--vocab", type=positive_int, help=f"V (default {FULL[1]}; --small: {SMALL[1]})")
+    p.add_argument("--hidden", type=positive_int, help=f"D (default {FULL[2]}; --small: {SMALL[2]})")
+    p.add_argument("--heads", type=positive_int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=DTYPES)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--small", action="store_true", help="small default shapes: checks the script on CPU")
+    p.add_argument("--reps", type=positive_int, default=5)
     p.add_argument("--lora-rank", type=int, default=0,
                    help="add a LoRA-style low-rank pair of this rank, base weight frozen (the low_rank path)")
-    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = p.parse_args()
-    device = torch.device(args.device)
+    add_out_options(p)
+    args = p.parse_args(argv)
+    if args.lora_rank < 0:
+        p.error(f"--lora-rank must be 0 (none) or positive, got {args.lora_rank}")
+    device = check_device(p, args)
+    n, v, d = (given or default for given, default in zip((args.tokens, args.vocab, args.hidden),
+                                                            SMALL if args.small else FULL))
+    if any(d % h for h in args.heads):
+        p.error(f"every --heads must divide the hidden size {d}: got {args.heads}")
     name = device_label(device)
+    record = Record(p, args, f"{name}-{datetime.date.today().isoformat()}-gpu-suite"
+                    + (f"-lora{args.lora_rank}" if args.lora_rank else ""), named={"lora_rank"})
     rows = []
     for dt in args.dtypes:
         for h in args.heads:
-            row = run_case(args.tokens, args.vocab, args.hidden, h, getattr(torch, dt), device, args.reps,
-                           args.lora_rank)
+            row = run_case(n, v, d, h, getattr(torch, dt), device, args.reps, args.lora_rank)
             rows.append(row)
             print(json.dumps(row))
-    stamp = f"{name}-{datetime.date.today().isoformat()}-gpu-suite" + (f"-lora{args.lora_rank}" if args.lora_rank else "")
     keys = list(dict.fromkeys(k for r in rows for k in r))
     lora = f", LoRA-style low-rank pair r={args.lora_rank} with the base weight frozen" if args.lora_rank else ""
-    lines = [f"# GPU suite: N={args.tokens}, V={args.vocab}, D={args.hidden}{lora} on {name}", "",
+    lines = [f"# GPU suite: N={n}, V={v}, D={d}{lora} on {name}", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(f"{r.get(k, ''):.3g}" if isinstance(r.get(k), float) else str(r.get(k, ""))
                                 for k in keys) + " |" for r in rows]
-    write_record(args.out, stamp, rows, "\n".join(lines))
+    record.write(rows, "\n".join(lines))
 
 
 if __name__ == "__main__":

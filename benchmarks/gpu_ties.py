@@ -1,7 +1,7 @@
 """GPU check of RBE ranks when rows of W duplicate the target's row (exact ties in real arithmetic).
 
     python benchmarks/gpu_ties.py                  # N=4096, V=32768, D=4096, bf16 + fp32, H=1 and 4
-    python benchmarks/gpu_ties.py --device cpu --small   # TRITON_INTERPRET=1: checks the script
+    TRITON_INTERPRET=1 python benchmarks/gpu_ties.py --device cpu --small   # checks the script (N=48, V=300, D=64)
 
 A rank counts the entries j != t strictly above the target.  A row of W equal to the target's row
 must tie with it, as it does in one full logits matmul; that holds only if the kernel's target
@@ -20,7 +20,7 @@ import json
 import math
 
 import torch
-from records import add_device_options, device_label, write_record
+from records import Record, add_device_options, check_device, device_label, positive_int
 
 from hf_mhce.ops import triton_forward
 
@@ -66,25 +66,28 @@ def run_case(n, v, d, heads, dtype, device):
             "median_rank": float(expected.double().median())}
 
 
-def main():
-    p = argparse.ArgumentParser()
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_device_options(p, reps=1)
-    p.add_argument("--heads", type=int, nargs="+", default=[1, 4])
-    args = p.parse_args()
-    device = torch.device(args.device)
+    p.add_argument("--heads", type=positive_int, nargs="+", default=[1, 4])
+    args = p.parse_args(argv)
+    device = check_device(p, args)
     n, v, d = (48, 300, 64) if args.small else (4096, 32768, 4096)
+    if any(d % h for h in args.heads):
+        p.error(f"every --heads must divide the hidden size {d}: got {args.heads}")
+    name = device_label(device)
+    record = Record(p, args, f"{name}-{datetime.date.today().isoformat()}-ties")
     rows = []
-    for dt in ("float32", args.dtype):
+    for dt in dict.fromkeys(("float32", args.dtype)):  # --dtype float32: once
         for h in args.heads:
             rows.append(run_case(n, v, d, h, getattr(torch, dt), device))
             print(json.dumps(rows[-1]))
-    name = device_label(device)
     keys = list(rows[0])
     lines = [f"# Rank ties with duplicated target rows: N={n}, V={v}, D={d} on {name}", "",
              "Target: wrong_ranks = 0 (rows with a non-duplicate near-tie are left out and counted).", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
-    write_record(args.out, f"{name}-{datetime.date.today().isoformat()}-ties", rows, "\n".join(lines))
+    record.write(rows, "\n".join(lines))
     if any(r["wrong_ranks"] for r in rows):
         raise SystemExit("ranks disagree with the float64 reference on rows without near-ties")
 

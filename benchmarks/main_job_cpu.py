@@ -5,7 +5,8 @@
 
 Runs ``hf-mhce train`` in a fresh subprocess (so the time includes the Python and torch imports, the
 tokenizer training and the final save, as a user sees it) and records wall time, CPU time, the
-machine and the final metrics to benchmarks/results/main_job_cpu-<date>.json and .md.  Measure on
+machine and the final metrics to benchmarks/results/main_job_cpu-<date>.json and .md (the options after
+-- and a non-default --repeats are added to the name: records.py's rule).  Measure on
 an otherwise quiet machine: with two OpenMP threads, a busy neighbour slows a step 15-50x.
 """
 
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from records import write_record
+from records import Record, add_out_options, positive_int
 
 
 def run_once(extra: list[str]) -> dict:
@@ -50,11 +51,12 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--repeats", type=positive_int, default=1)
+    add_out_options(p)
     args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    runs = [run_once(extra) for _ in range(args.repeats)]
     today = datetime.date.today().isoformat()
+    record = Record(p, args, f"main_job_cpu-{today}", extra=extra)
+    runs = [run_once(extra) for _ in range(args.repeats)]
     result = {"date": today, "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                                          "python": platform.python_version()},
               "options": extra, "target_seconds": 180, "runs": runs}
@@ -71,7 +73,7 @@ def main(argv=None) -> dict:
         losses = ", ".join(f"{k[5:-5]} {v:.3f}" for k, v in r["final_eval"].items())
         lines.append(f"| {i} | {r['wall_seconds']} | {r['user_seconds']} | {r['system_seconds']} | "
                      f"{r['train_runtime']:.1f} | {r['max_rss_mb']} | {r['load_average_before']:.2f} | {losses} |")
-    write_record(args.out, f"main_job_cpu-{today}", result, "\n".join(lines))
+    record.write(result, "\n".join(lines))
     return result
 
 

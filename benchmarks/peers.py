@@ -24,7 +24,8 @@ Variants (bf16 inputs, float32 loss):
   slab_fwdgrad      prototype: gradients in the forward per token chunk, float32 dW, 6NDV (slab_prototype.py)
 Every variant's loss, and its dX and dW, are compared with float32 references of the same loss (hf_mhce's
 torch path on float32 copies of the inputs; H heads for the MHCE rows): a fast wrong answer is no result.
-Writes benchmarks/results/<device>-<date>-peers-<shapes>.md and .json, after every shape.
+Writes benchmarks/results/<device>-<date>-peers-<shapes>.md and .json (records.py's naming rule), after
+every shape.  Off CUDA it needs --small and, for the hf_mhce rows, TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from records import add_device_options, device_label, write_record
+from records import Record, add_device_options, check_device, device_label, positive_int
 
 SHAPES = {"gpt2": (768, 50257), "mistral7b": (4096, 32768), "llama3": (4096, 128256)}
 SMALL = {"gpt2": (48, 1031)}  # --small: the harness itself on CPU / under the interpreter
@@ -275,23 +276,25 @@ def markdown(rows: list[dict], device_name: str, today: str) -> str:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--tokens", type=int, nargs="+", help="default: 4096 16384 32768 (--small: 37 64)")
+    p.add_argument("--tokens", type=positive_int, nargs="+", help="default: 4096 16384 32768 (--small: 37 64)")
     p.add_argument("--variants", nargs="+", default=[*PEERS, *OURS, *PROTOTYPES], choices=[*PEERS, *OURS, *PROTOTYPES])
     add_device_options(p, reps=5)
-    p.add_argument("--rotate", type=int, default=3, help="input sets cycled through (cache fairness)")
+    p.add_argument("--rotate", type=positive_int, default=3, help="input sets cycled through (cache fairness)")
     args = p.parse_args(argv)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    device = check_device(p, args, triton=any(v in OURS for v in args.variants))
+    dtype = getattr(torch, args.dtype)
     shapes = SMALL if args.small else {k: SHAPES[k] for k in args.shapes}
     tokens = args.tokens or ([37, 64] if args.small else [4096, 16384, 32768])
     name = device_label(device)
     today = datetime.date.today().isoformat()
-    stem = f"{name}-{today}-peers-{'-'.join(shapes)}" + ("-small" if args.small else "")
+    record = Record(p, args, f"{name}-{today}-peers-{'-'.join(shapes)}" + ("-small" if args.small else ""),
+                    named={"shapes", "small"})
     rows = []
     for label, (d, v) in shapes.items():
         for n in tokens:
             rows += run_shape(label, d, v, n, args.variants, device, dtype, args.reps, args.rotate)
             # rewritten after every shape: a run cut short by the device's time limit keeps what it measured
-            write_record(args.out, stem, rows, markdown(rows, name, today))
+            record.write(rows, markdown(rows, name, today))
     return rows
 
 

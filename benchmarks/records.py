@@ -1,32 +1,135 @@
-"""Where a benchmark's numbers go (<out>/<stem>.json and <out>/<stem>.md, the table also printed),
-and the options and device label shared by the GPU benchmarks."""
+"""Where a benchmark's numbers go, and the options and checks the benchmark scripts share.
+
+A record is <out>/<stem>.json and <out>/<stem>.md (the table also printed).  Naming rule (NOTES.md):
+the stem carries the script's name, the date and every option that differs from its default, and
+a run never replaces a record that exists when it starts unless --force is given.  So a partial
+run (fewer variants, other sizes) lands beside the full record instead of over it, and a second
+full run on the same day stops at once, before any work, instead of after it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DTYPES = ("bfloat16", "float16", "float32")
+_UNNAMED = {"out", "force", "device", "variant"}  # never part of a record's name (device: in the stem)
 
 
-def write_record(out: str, stem: str, data, markdown: str) -> str:
-    """Write ``data`` as JSON and ``markdown`` next to it; print the markdown; return the path stem."""
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, stem)
-    with open(path + ".json", "w") as f:
-        json.dump(data, f, indent=2)
-    with open(path + ".md", "w") as f:
-        f.write(markdown.rstrip("\n") + "\n")
-    print(markdown)
-    return path
+def default_out() -> str:
+    """$OUT (the device tool's fresh folder) when set and not empty, else this checkout's
+    benchmarks/results, whatever the current directory."""
+    return os.environ.get("OUT") or RESULTS
+
+
+def add_out_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=default_out(), help="folder of the record (default: $OUT, else benchmarks/results)")
+    p.add_argument("--force", action="store_true", help="replace a record of the same name")
 
 
 def add_device_options(p: argparse.ArgumentParser, reps: int) -> None:
-    """--device, --dtype, --reps, --small (CPU check of the script itself) and --out."""
+    """--device, --dtype, --reps, --small (CPU check of the script itself), --out and --force."""
     p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--reps", type=int, default=reps)
-    p.add_argument("--small", action="store_true", help="tiny shapes: validates the script on CPU")
-    p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--reps", type=positive_int, default=reps)
+    p.add_argument("--small", action="store_true", help="tiny shapes: validates the script on CPU (TRITON_INTERPRET=1)")
+    add_out_options(p)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a count of steps, tokens, threads, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def check_device(p: argparse.ArgumentParser, args, triton: bool = True):
+    """The torch.device of --device, or an argparse error saying what to do instead of a failure deep
+    inside torch or Triton: cuda needs a GPU; any other device runs Triton kernels only under the
+    interpreter (TRITON_INTERPRET=1, set before Python starts) and only at --small shapes (the full
+    shapes would take minutes to hours there)."""
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as err:
+        p.error(f"--device {args.device!r}: {err}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device}, but torch sees no CUDA GPU here. Run it on a GPU "
+                    "(bash benchmarks/device_run.sh), or check the script on CPU with TRITON_INTERPRET=1 "
+                    "in the environment and --device cpu --small")
+        return device
+    if triton and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error(f"--device {device.type}: the Triton kernels run off CUDA only under the interpreter; "
+                "set TRITON_INTERPRET=1 in the environment before Python starts")
+    if not args.small:
+        p.error(f"--device {device.type}: the full shapes are for a GPU; add --small to check the script here")
+    return device
+
+
+def _value(v) -> str:
+    items = v if isinstance(v, (list, tuple)) else [v]
+    return "-".join(format(x, "g") if isinstance(x, float) else str(x) for x in items)
+
+
+def options_suffix(p: argparse.ArgumentParser, args, named=(), extra=()) -> str:
+    """"-key_value-..." for every option that differs from its default (``named``: already in the
+    stem), then ``extra`` (arguments passed through); characters the device tool cannot return as a
+    file name become "-", and a long suffix is cut and completed by a hash of the whole."""
+    parts = []
+    for key, value in vars(args).items():
+        if key in _UNNAMED or key in named or value == p.get_default(key):
+            continue
+        key = key.replace("_", "-")
+        parts.append(key if value is True else f"{key}_{_value(value)}")
+    parts += [str(x).lstrip("-") for x in extra]
+    text = re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(parts)).strip("-")
+    if len(text) > 80:
+        text = text[:60].rstrip("-") + "-" + hashlib.sha1(text.encode()).hexdigest()[:8]
+    return "-" + text if text else ""
+
+
+class Record:
+    """The record one run writes: named, and checked not to exist, when the run starts."""
+
+    def __init__(self, p: argparse.ArgumentParser, args, stem: str, named=(), extra=()):
+        if not args.out:
+            p.error("--out is empty")
+        self.path = os.path.join(args.out, stem + options_suffix(p, args, named, extra))
+        existing = [self.path + ext for ext in (".json", ".md") if os.path.exists(self.path + ext)]
+        if existing and not args.force:
+            p.error(f"{existing[0]} exists, and a run never replaces a record: pass --force to replace it, "
+                    "or --out to write elsewhere")
+
+    def write(self, data, markdown: str) -> str:
+        """Write ``data`` as JSON and ``markdown`` beside it (again, if this run wrote it before:
+        peers.py rewrites after every shape); print the markdown; return the path stem."""
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path + ".json", "w") as f:
+            json.dump(data, f, indent=2)
+        with open(self.path + ".md", "w") as f:
+            f.write(markdown.rstrip("\n") + "\n")
+        print(markdown)
+        return self.path
 
 
 def device_label(device) -> str:

@@ -14,7 +14,8 @@ two timings is noise).  Every setting's output is compared with the default sett
 error; a setting that changes the result is reported, never picked).  Per compiled kernel: registers,
 spills and whether the SASS uses Hopper's warpgroup MMA (HGMMA).  The run stops starting new
 settings after --budget-s seconds (the device tool allows 10 minutes a call) and says which it
-skipped.  Writes <out>/tile_sweep-<device>-<date>.md and .json; the winners go into
+skipped.  Writes <out>/tile_sweep-<device>-<date>.md and .json (records.py's naming rule; off CUDA
+only with --small and TRITON_INTERPRET=1); the winners go into
 ``hf_mhce/ops/triton_tile.py``'s _GPU_DEFAULTS by hand, with the record cited.
 """
 
@@ -29,7 +30,7 @@ import time
 
 import torch
 from peers import Timer
-from records import add_device_options, device_label, write_record
+from records import Record, add_device_options, check_device, device_label, positive_float, positive_int
 
 TILES = [(64, 128), (128, 128), (64, 256), (128, 256)]  # (BLOCK_N, BLOCK_V)
 FORWARD = [dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
@@ -199,17 +200,20 @@ def markdown(rows, device_name, today, tol) -> str:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--heads", type=int, nargs="+", default=[1])
+    p.add_argument("--heads", type=positive_int, nargs="+", default=[1])
     add_device_options(p, reps=3)
-    p.add_argument("--budget-s", type=float, default=420.0, help="no new setting is started after this")
+    p.add_argument("--budget-s", type=positive_float, default=420.0, help="no new setting is started after this")
     args = p.parse_args(argv)
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    rows = run(args, device, dtype)
+    device = check_device(p, args)
+    d = 48 if args.small else 4096  # as run() takes it
+    if any(d % h for h in args.heads):
+        p.error(f"every --heads must divide the hidden size {d}: got {args.heads}")
+    dtype = getattr(torch, args.dtype)
     name = device_label(device)
     today = datetime.date.today().isoformat()
-    tol = tolerance(dtype)
-    write_record(args.out, f"tile_sweep-{name}-{today}" + ("-small" if args.small else ""), rows,
-                 markdown(rows, name, today, tol))
+    record = Record(p, args, f"tile_sweep-{name}-{today}" + ("-small" if args.small else ""), named={"small"})
+    rows = run(args, device, dtype)
+    record.write(rows, markdown(rows, name, today, tolerance(dtype)))
     return rows
 
 

@@ -51,7 +51,7 @@ def test_peers_table(tmp_path):
 
 @pytest.mark.parametrize("lora", [0, 2], ids=["plain", "low_rank"])
 def test_gpu_suite(tmp_path, lora):
-    rows = _run("gpu_suite.py", "--device", "cpu", "--tokens", "21", "--vocab", "517", "--hidden", "24",
+    rows = _run("gpu_suite.py", "--device", "cpu", "--small", "--tokens", "21", "--vocab", "517", "--hidden", "24",
                 "--heads", "2", "--dtypes", "float32", "bfloat16", "--reps", "1", "--lora-rank", str(lora),
                 out=tmp_path)
     assert [(r["dtype"], r["heads"]) for r in rows] == [("float32", 2), ("bfloat16", 2)]
