@@ -227,6 +227,7 @@ def _probe(model, out_cls, facts: LogitFacts, router) -> bool:
     state = PatchState(LossConfig(return_logits=True), facts, out_cls, sig, _positional(sig), "forward",
                        ABSENT, ABSENT, router=router)
     was_training = model.training
+    hooks = _hook_snapshot(model)
     model.eval()
     try:
         ids = probe_inputs(model)
@@ -241,3 +242,23 @@ def _probe(model, out_cls, facts: LogitFacts, router) -> bool:
         return False
     finally:
         model.train(was_training)
+        _remove_new_hooks(hooks)
+
+
+# transformers installs output-capturing forward hooks, local closures that pickle cannot save, on the
+# first forward that records outputs (router logits here), and marks the model with this attribute.
+_HOOKED = "_output_capturing_hooks_installed"
+
+
+def _hook_snapshot(model):
+    return [(m, set(m._forward_hooks), m.__dict__.get(_HOOKED, ABSENT)) for m in model.modules()]
+
+
+def _remove_new_hooks(snapshot) -> None:
+    """Undo the hooks the probe's forwards installed: the probe must leave the model as it found it
+    (a model that pickled before apply_patch still pickles, and after unpatch)."""
+    for module, keys, flag in snapshot:
+        for key in set(module._forward_hooks) - keys:
+            for table in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+                table.pop(key, None)
+        _restore_attr(module, _HOOKED, flag)

@@ -185,3 +185,24 @@ def test_unannotated_subclass_keeps_the_router_loss():
     assert type(o) is type(r)
     torch.testing.assert_close(o.loss, r.loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(o.aux_loss, r.aux_loss, rtol=1e-6, atol=0)
+
+
+def test_probe_leaves_no_hooks_behind():
+    """The probe asks for router logits, on which transformers installs output-capturing hooks (local
+    closures pickle cannot save): a model that pickled before apply_patch still pickles."""
+    import pickle
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("ernie4_5_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=32,
+                               moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(cfg)
+    pickle.dumps(model)
+    apply_patch(model)  # outside the table: probed
+    copy = pickle.loads(pickle.dumps(model))
+    ids, mask, labels = padded_batch()
+    with torch.no_grad():  # recording router logits afterwards still works, in the copy too
+        for m in (model, copy):
+            out = m(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+            assert len(out.router_logits) >= 1 and out.aux_loss is not None
