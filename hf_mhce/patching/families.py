@@ -60,6 +60,7 @@ FAMILIES: dict[str, LogitFacts] = {
     "granite": LogitFacts(divide_attr="logits_scaling"),
     "granite_swa": LogitFacts(divide_attr="logits_scaling"),
     "hyperclovax": LogitFacts(multiply_attr="logits_scaling"),
+    "falcon_h1": LogitFacts(multiply_attr="lm_head_multiplier"),
     # mixture-of-experts families: their router's load-balancing loss is found by routers.router_facts
     "mixtral": _PLAIN,
     "qwen2_moe": _PLAIN,

@@ -13,7 +13,7 @@ SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_lay
              num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
              pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # Make the family's logit transform matter at random init.
-FACT_VALUES = {"final_logit_softcapping": 2.0, "logit_scale": 3.0, "logits_scaling": 0.25}
+FACT_VALUES = {"final_logit_softcapping": 2.0, "logit_scale": 3.0, "logits_scaling": 0.25, "lm_head_multiplier": 3.0}
 # Mixture-of-experts families (each config reads the names it knows), with the router loss switched on.
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss", "granitemoe", "granitemoeshared",
                 "granitemoe_swa", "glm4_moe", "cohere2_moe"}
