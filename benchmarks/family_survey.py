@@ -93,7 +93,7 @@ def check(model_type: str) -> dict:
         if not torch.allclose(model(input_ids=ids).logits.float(), ref(input_ids=ids).logits.float(), rtol=1e-4, atol=1e-5):
             problems.append("logits")
     router = model.__dict__["_hf_mhce_patch"].router
-    kind = "" if router is None else (" (MoE, router loss)" if router.module else " (MoE, router logits only)")
+    kind = "" if router is None else (" (MoE, router loss)" if router.adds_loss else " (MoE, router logits only)")
     if problems:
         return {"status": "MISMATCH", "detail": "; ".join(problems[:3])}
     return {"status": "patched", "detail": f"loss {got.loss.item():.6f}{kind}"}

@@ -140,7 +140,7 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     loss = logits = aux_loss = None
     if labels is not None or loss_kwargs.get("shift_labels") is not None:
         loss = _loss(model, state, hidden, labels, **loss_kwargs)
-    if state.router is not None and state.router.module and kwargs["output_router_logits"]:
+    if state.router is not None and state.router.adds_loss and kwargs["output_router_logits"]:
         aux_loss, weight = router_loss(model, state.router, getattr(outputs, "router_logits", None),
                                        kwargs.get("attention_mask"))
         if loss is not None:

@@ -36,6 +36,10 @@ class RouterFacts:
     module: str | None  # the modeling module defining load_balancing_loss_func; None: no aux loss
     coef_attr: str | None = None  # the model attribute weighting aux_loss in the loss
 
+    @property
+    def adds_loss(self) -> bool:
+        return self.module is not None
+
 
 def router_facts(model: nn.Module, stock_forward) -> RouterFacts | str:
     """The model's RouterFacts, or why it has none (a reason for UnsupportedModelError).
@@ -45,10 +49,10 @@ def router_facts(model: nn.Module, stock_forward) -> RouterFacts | str:
     module = getattr(stock_forward, "__module__", None)
     if module is None or not callable(getattr(importlib.import_module(module), BALANCE_FUNCTION, None)):
         return RouterFacts(module=None)  # router logits only (the verification probe checks no loss term is missed)
-    missing = [a for a in COUNT_ATTRS if not isinstance(getattr(model, a, None), int)]
     coef = next((a for a in COEF_ATTRS if isinstance(getattr(model, a, None), (int, float))), None)
-    if missing or coef is None:
-        missing += [] if coef else [" or ".join(COEF_ATTRS)]
+    missing = [a for a in COUNT_ATTRS if not isinstance(getattr(model, a, None), int)]
+    missing += [] if coef else [" or ".join(COEF_ATTRS)]
+    if missing:
         return f"its output has {list(ROUTER_FIELDS)} but the model has no attribute {', '.join(missing)}"
     return RouterFacts(module=module, coef_attr=coef)
 
