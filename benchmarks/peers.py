@@ -275,15 +275,17 @@ def markdown(rows: list[dict], device_name: str, today: str) -> str:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), help=f"default: {' '.join(SHAPES)} (--small: its own tiny shape)")
     p.add_argument("--tokens", type=positive_int, nargs="+", help="default: 4096 16384 32768 (--small: 37 64)")
     p.add_argument("--variants", nargs="+", default=[*PEERS, *OURS, *PROTOTYPES], choices=[*PEERS, *OURS, *PROTOTYPES])
     add_device_options(p, reps=5)
     p.add_argument("--rotate", type=positive_int, default=3, help="input sets cycled through (cache fairness)")
     args = p.parse_args(argv)
+    if args.small and args.shapes:
+        p.error("--small runs its own tiny shape; leave out --shapes")
     device = check_device(p, args, triton=any(v in OURS for v in args.variants))
     dtype = getattr(torch, args.dtype)
-    shapes = SMALL if args.small else {k: SHAPES[k] for k in args.shapes}
+    shapes = SMALL if args.small else {k: SHAPES[k] for k in args.shapes or SHAPES}
     tokens = args.tokens or ([37, 64] if args.small else [4096, 16384, 32768])
     name = device_label(device)
     today = datetime.date.today().isoformat()

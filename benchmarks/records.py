@@ -15,6 +15,8 @@ import json
 import os
 import re
 
+from hf_mhce.cli import positive_int  # the CLI's own check and message, re-exported to the scripts
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = ("bfloat16", "float16", "float32")
 _UNNAMED = {"out", "force", "device", "variant"}  # never part of a record's name (device: in the stem)
@@ -31,24 +33,15 @@ def add_out_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace a record of the same name")
 
 
-def add_device_options(p: argparse.ArgumentParser, reps: int) -> None:
-    """--device, --dtype, --reps, --small (CPU check of the script itself), --out and --force."""
+def add_device_options(p: argparse.ArgumentParser, reps: int | None) -> None:
+    """--device, --dtype, --reps (unless reps is None: a script that times nothing), --small (CPU check
+    of the script itself), --out and --force."""
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    p.add_argument("--reps", type=positive_int, default=reps)
+    if reps is not None:
+        p.add_argument("--reps", type=positive_int, default=reps)
     p.add_argument("--small", action="store_true", help="tiny shapes: validates the script on CPU (TRITON_INTERPRET=1)")
     add_out_options(p)
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a count of steps, tokens, threads, ...)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def positive_float(text: str) -> float:

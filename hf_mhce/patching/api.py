@@ -10,8 +10,8 @@ import torch
 
 from .card import set_card_section
 from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config
-from .families import (FAMILIES, LogitFacts, check_structure, defined_in_transformers, model_type, probe_inputs,
-                       unsupported)
+from .families import (FAMILIES, LogitFacts, check_loss_function, check_structure, defined_in_transformers, model_type,
+                       probe_inputs, unsupported)
 from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, generic_forward, mirrored_signature
 from .head import UnsupportedHeadError, resolve_head
 from .methods import bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
@@ -37,6 +37,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
     saved = getattr(target.config, CONFIG_KEY, None)
     cfg = resolve_config(saved, state.config if state else None, loss, num_heads, loss_options, override_saved)
     _check_head(target, cfg.num_heads)
+    check_loss_function(target)
 
     if state is None:
         _own_config(target)

@@ -118,6 +118,31 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return decoder
 
 
+def custom_loss_function(model: nn.Module):
+    """The loss transformers' forward would call where it is not the stock causal-LM cross-entropy
+    (``model.loss_function = fn``, or ``model.loss_type`` naming another entry of LOSS_MAPPING), else
+    None.  Read as transformers' property reads it, without that property's unknown-loss_type warning."""
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    fn = getattr(model, "_loss_function", None)  # what the property's setter stores
+    if fn is None:
+        loss_type = getattr(model, "loss_type", None)
+        fn = LOSS_MAPPING[loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"]
+    return None if fn is ForCausalLMLoss else fn
+
+
+def check_loss_function(model: nn.Module) -> None:
+    """Refuse a custom loss that the fused path would silently replace by cross-entropy."""
+    fn = custom_loss_function(model)
+    if fn is not None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}.loss_function is {getattr(fn, '__qualname__', fn)!r} (set through "
+            "model.loss_function or model.loss_type), not transformers' ForCausalLMLoss: the patched forward "
+            "computes the fused cross-entropy and would ignore it. Remove it, or hf_mhce.unpatch(model) to train "
+            "with it"
+        )
+
+
 def stock_forward(model_class: type):
     """The forward of the nearest class in ``model_class``'s MRO that transformers defines (None if none)."""
     return next((c.__dict__["forward"] for c in model_class.__mro__

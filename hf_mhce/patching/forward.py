@@ -28,7 +28,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
 from .config import LossConfig
-from .families import LogitFacts, decoder_of, logit_transform, stock_forward
+from .families import LogitFacts, check_loss_function, decoder_of, logit_transform, stock_forward
 from .head import fused_operands, mixed_batch_adapters, resolve_head
 from .routers import RouterFacts, router_loss, wants_router_logits
 from .sharding import call_through
@@ -138,7 +138,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
 
     loss = logits = aux_loss = None
-    if labels is not None or loss_kwargs.get("shift_labels") is not None:
+    if labels is not None:  # as in transformers, shift_labels without labels asks for no loss
+        check_loss_function(model)
         loss = _loss(model, state, hidden, labels, **loss_kwargs)
     if state.router is not None and state.router.adds_loss and kwargs["output_router_logits"]:
         aux_loss, weight = router_loss(model, state.router, getattr(outputs, "router_logits", None),
@@ -207,6 +208,8 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
     """HF's ForCausalLMLoss semantics, computed by the fused op (no [N, V] logits)."""
     cfg = state.config
     ignore_index = cfg.ignore_index if ignore_index is None else ignore_index
+    _check_label_shape("labels", labels, hidden)
+    _check_label_shape("shift_labels", shift_labels, hidden)
     if shift_labels is None:  # tokens < n predict n; the last position predicts nothing
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
@@ -221,7 +224,7 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
                    label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, softcap=softcap, backend=cfg.backend)
 
     def fused(hidden, shift_labels, adapter=None):  # reads the head inside the head's call: see sharding.py
-        x, w, b, low_rank = fused_operands(resolve_head(head, adapter), hidden, cfg.num_heads, scale)
+        x, w, b, low_rank = fused_operands(resolve_head(head, adapter, hidden), hidden, cfg.num_heads, scale)
         if cfg.loss == "mhce":
             return multi_head_cross_entropy(x, w, shift_labels, cfg.num_heads, bias=b, low_rank=low_rank, **options)
         return linear_cross_entropy(x, w, shift_labels, bias=b, low_rank=low_rank, **options)
@@ -236,6 +239,13 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
         loss = sum(call_through(head, functools.partial(fused, adapter=name), hidden[rows], shift_labels[rows])
                    for name, rows in _adapter_groups(names, hidden))
     return _nan_when_nothing_counts(loss, counted, num_items_in_batch)
+
+
+def _check_label_shape(name, labels, hidden) -> None:
+    if labels is not None and labels.shape != hidden.shape[:-1]:
+        hint = f" (add the batch dimension: {name}[None])" if labels.dim() == 1 and hidden.shape[0] == 1 else ""
+        raise ValueError(f"{name} has shape {tuple(labels.shape)}, but the input has shape {tuple(hidden.shape[:-1])} "
+                         f"(batch, sequence): {name} must have the shape of input_ids{hint}")
 
 
 def _nan_when_nothing_counts(loss, counted, num_items_in_batch):
@@ -278,7 +288,7 @@ def _logits(model, state, hidden):
         scale = (multiply or 1.0) / (divide or 1.0)
 
         def mixture(hidden, adapter=None):
-            x, w, b, low_rank = fused_operands(resolve_head(head, adapter), hidden, cfg.num_heads, scale)
+            x, w, b, low_rank = fused_operands(resolve_head(head, adapter, hidden), hidden, cfg.num_heads, scale)
             return multi_head_logprobs(x, w, cfg.num_heads, bias=b, softcap=softcap, low_rank=low_rank)
 
         names = mixed_batch_adapters(head)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .sharding import check_gathered
+from .sharding import check_gathered, owns_sharded_params
 
 try:  # peft is a dependency, but the head logic must not fail where it is absent
     from peft.tuners.lora import LoraLayer
@@ -53,16 +53,22 @@ class HeadParts:
     adapters: list[Adapter] = field(default_factory=list)
 
 
-def resolve_head(head: nn.Module, adapter: str | None = None) -> HeadParts:
+def resolve_head(head: nn.Module, adapter: str | None = None, hidden: torch.Tensor | None = None) -> HeadParts:
     """Base weight, bias and active LoRA adapters of the head module, following PEFT's forward;
     ``adapter`` (a name from ``mixed_batch_adapters``) stands in for the active adapters (a name the
-    head does not carry, such as PEFT's "__base__", leaves the base layer alone)."""
+    head does not carry, such as PEFT's "__base__", leaves the base layer alone).  Given the head's
+    input ``hidden``, the head's own forward pre-hooks run first (see ``run_head_hooks``)."""
+    run_head_hooks(head, hidden)
+    return _resolve(head, adapter)
+
+
+def _resolve(head: nn.Module, adapter: str | None = None) -> HeadParts:
     if ModulesToSaveWrapper and isinstance(head, ModulesToSaveWrapper):
         # PEFT trains a copy; the original is used only while adapters are disabled.
         active = head.active_adapters if adapter is None else [adapter]
         if head.disable_adapters or not active or active[0] not in head.modules_to_save:
-            return resolve_head(head.original_module)
-        return resolve_head(head.modules_to_save[active[0]])
+            return _resolve(head.original_module)
+        return _resolve(head.modules_to_save[active[0]])
     if LoraLayer and isinstance(head, LoraLayer) and hasattr(head, "lora_A"):
         if not all(isinstance(m, nn.Linear) for m in head.lora_A.values()):  # e.g. AdaLoRA's SVD factors
             raise UnsupportedHeadError(
@@ -76,6 +82,12 @@ def resolve_head(head: nn.Module, adapter: str | None = None) -> HeadParts:
             "only LoRA (without variants such as DoRA) and modules_to_save are supported on the head"
         )
     if isinstance(head, nn.Linear):
+        if type(head).forward is not nn.Linear.forward:
+            raise UnsupportedHeadError(
+                f"the LM head is a {type(head).__module__}.{type(head).__qualname__}, an nn.Linear subclass with a "
+                "forward of its own; the fused loss reads the head's weight and bias and never calls it, so that "
+                "forward would be skipped"
+            )
         return HeadParts(head.weight, head.bias)
     raise UnsupportedHeadError(
         f"the LM head is a {type(head).__name__}, not an nn.Linear (or a PEFT LoRA / modules_to_save "
@@ -86,7 +98,7 @@ def resolve_head(head: nn.Module, adapter: str | None = None) -> HeadParts:
 def _resolve_lora(layer, adapter: str | None = None) -> HeadParts:
     if layer.disable_adapters and layer.merged:
         layer.unmerge()  # what PEFT's forward does before running the base layer alone
-    parts = resolve_head(layer.base_layer, adapter)
+    parts = _resolve(layer.base_layer, adapter)
     if layer.disable_adapters or layer.merged:
         return parts
     if getattr(layer, "fan_in_fan_out", False):
@@ -105,13 +117,64 @@ def _resolve_lora(layer, adapter: str | None = None) -> HeadParts:
     return HeadParts(parts.weight, parts.bias, adapters)
 
 
+# Hooks of frameworks whose own mechanics the fused path already follows: parameter gathering around
+# the call of modules that own sharded parameters (sharding.call_through), accelerate's device hooks.
+_FRAMEWORK_HOOKS = ("deepspeed.", "torch.distributed.", "accelerate.")
+
+
+def run_head_hooks(head: nn.Module, hidden: torch.Tensor | None) -> None:
+    """The fused ops read the head's parameters and never call the head, so its hooks would not run.
+
+    A forward pre-hook that recomputes a parameter (``torch.nn.utils.prune``, the old
+    ``weight_norm`` and ``spectral_norm``) is run here on ``(hidden,)``, as the head's call would
+    run it (with ``hidden`` None, at patch time, none is run).  A hook that sees the head's output,
+    or a pre-hook that changes its input, cannot be honoured without the logits: UnsupportedHeadError.
+    """
+    for name, module in head.named_modules():
+        if owns_sharded_params(module):
+            continue  # called through (sharding.py): its hooks run around our loss
+        where = f"the LM head{f' (its submodule {name!r})' if name else ''}"
+        post = [h for h in module._forward_hooks.values() if not _framework_hook(h)]
+        if post:
+            raise UnsupportedHeadError(
+                f"{where} has forward hooks {post}: the fused loss never builds the head's output (the logits), so "
+                "they could not see it. Remove them (torch.nn.utils.parametrize works for reparametrized "
+                "weights), or hf_mhce.unpatch(model)"
+            )
+        for hook_id, hook in list(module._forward_pre_hooks.items()):
+            if hidden is None or _framework_hook(hook) or _adapter_names(hook) is not None:
+                continue
+            if hook_id in module._forward_pre_hooks_with_kwargs:
+                out = hook(module, (hidden,), {})
+                changed = out is not None and (out[1] or len(out[0]) != 1 or out[0][0] is not hidden)
+            else:
+                out = hook(module, (hidden,))
+                out = out if out is None or isinstance(out, tuple) else (out,)
+                changed = out is not None and (len(out) != 1 or out[0] is not hidden)
+            if changed:
+                raise UnsupportedHeadError(
+                    f"{where} has a forward pre-hook {hook!r} that changes the head's input; the fused loss "
+                    "feeds the hidden state to the head's weight directly. Remove it, or hf_mhce.unpatch(model)"
+                )
+
+
+def _framework_hook(hook) -> bool:
+    fn = getattr(hook, "func", hook)  # functools.partial
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return module.startswith(_FRAMEWORK_HOOKS)
+
+
+def _adapter_names(hook):
+    return getattr(hook, "keywords", {}).get("adapter_names")  # PEFT's functools.partial(..., adapter_names=)
+
+
 def mixed_batch_adapters(head: nn.Module) -> list[str] | None:
     """The per-row adapter names of a PEFT mixed-adapter batch (``model(..., adapter_names=[...])``),
     or None.  PEFT hands them to its layers in a forward pre-hook, which the fused ops, reading the
     weights instead of calling the head, would bypass: the caller must split the batch by them."""
     for module in head.modules():
         for hook in module._forward_pre_hooks.values():
-            names = getattr(hook, "keywords", {}).get("adapter_names")  # functools.partial(..., adapter_names=)
+            names = _adapter_names(hook)
             if names is not None:
                 return list(names)
     return None
@@ -142,8 +205,13 @@ def fused_operands(parts: HeadParts, hidden: torch.Tensor, num_heads: int, scale
 
 def check_parts(parts: HeadParts, hidden_size: int) -> None:
     """Every tensor of the head gathered and of the shape the hidden state needs (see sharding.py)."""
-    vocab = parts.weight.shape[0] if parts.weight.dim() == 2 else None
-    check_gathered("weight", parts.weight, (vocab, hidden_size) if vocab else None)
+    check_gathered("weight", parts.weight)  # a DTensor, meta or empty: sharding or offloading not undone
+    if parts.weight.dim() != 2 or parts.weight.shape[1] != hidden_size:
+        raise ValueError(
+            f"the LM head's weight has shape {tuple(parts.weight.shape)}, but the hidden states it is applied to "
+            f"have size {hidden_size}: the head must be a [vocab_size, {hidden_size}] linear map"
+        )
+    vocab = parts.weight.shape[0]
     check_gathered("bias", parts.bias, (vocab,) if vocab else None)
     for i, ad in enumerate(parts.adapters):
         rank = ad.lora_a.weight.shape[0] if ad.lora_a.weight.dim() == 2 else None

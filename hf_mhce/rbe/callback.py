@@ -268,7 +268,8 @@ def _check_arguments(args) -> None:
             f"RBECallback counts ranks inside the patched model's loss, but with label_smoothing_factor={smoothing} "
             "the Trainer takes the labels out of the inputs and smooths the loss itself, so there would be no RBE "
             f"metrics. Smooth in the fused loss instead: hf_mhce.apply_patch(model, ..., label_smoothing={smoothing}) "
-            "and label_smoothing_factor=0 (the same smoothed cross-entropy)"
+            "and label_smoothing_factor=0 (the same smoothed cross-entropy for loss='ce'; for 'mhce' the fused loss "
+            "smooths each head's cross-entropy, the Trainer the mixture's)"
         )
     if getattr(args, "parallel_mode", None) == ParallelMode.NOT_DISTRIBUTED:
         raise RuntimeError(

@@ -76,12 +76,14 @@ def test_peers_without_triton_rows_needs_no_interpreter(capsys, monkeypatch, tmp
 @pytest.mark.parametrize("script, argv, message", [
     ("gpu_suite", ["--dtypes", "float23"], "invalid choice: 'float23'"),
     ("peers", ["--dtype", "float23"], "invalid choice: 'float23'"),
-    ("gpu_suite", ["--reps", "0"], "must be at least 1"),
+    ("gpu_suite", ["--reps", "0"], "must be a positive whole number"),
     ("gpu_suite", ["--device", "cpu", "--small", "--heads", "5"], "must divide the hidden size 48"),
     ("gpu_suite", ["--device", "cpu", "--small", "--lora-rank", "-1"], "--lora-rank must be 0"),
-    ("gpu_ties", ["--heads", "0"], "must be at least 1"),
-    ("peers", ["--tokens", "0"], "must be at least 1"),
-    ("peers", ["--rotate", "0"], "must be at least 1"),
+    ("gpu_ties", ["--heads", "0"], "must be a positive whole number"),
+    ("gpu_ties", ["--reps", "3"], "unrecognized arguments: --reps"),  # it times nothing
+    ("peers", ["--device", "cpu", "--small", "--shapes", "llama3"], "--small runs its own tiny shape"),
+    ("peers", ["--tokens", "0"], "must be a positive whole number"),
+    ("peers", ["--rotate", "0"], "must be a positive whole number"),
     ("tile_sweep", ["--budget-s", "0"], "must be positive"),
     ("tile_sweep", ["--device", "cpu", "--small", "--heads", "5"], "must divide the hidden size 48"),
 ])
@@ -109,9 +111,9 @@ def fake_children(monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--tokens", "100", "--seq", "64"], "must be a multiple of --seq"),
     (["--tokens", "10", "--seq", "32"], "must be a multiple of --seq"),
-    (["--steps", "0"], "must be at least 1"),
-    (["--seq", "0"], "must be at least 1"),
-    (["--threads", "0"], "must be at least 1"),
+    (["--steps", "0"], "must be a positive whole number"),
+    (["--seq", "0"], "must be a positive whole number"),
+    (["--threads", "0"], "must be a positive whole number"),
     (["--hidden", "12"], "must be a multiple of 8"),
 ])
 def test_cpu_llama_step_options_are_checked(capsys, fake_children, tmp_path, argv, message):
@@ -145,14 +147,14 @@ def test_main_job_names_its_options(capsys, monkeypatch, tmp_path):
     run = {"wall_seconds": 1.0, "user_seconds": 1.0, "system_seconds": 0.0, "train_runtime": 1.0, "max_rss_mb": 1,
            "load_average_before": 0.0, "final_eval": {"eval_loss": 1.0}}
     monkeypatch.setattr(main_job_cpu, "run_once", lambda extra: run)
-    assert "must be at least 1" in refused(capsys, "main_job_cpu", "--repeats", "0", "--out", str(tmp_path))
+    assert "must be a positive whole number" in refused(capsys, "main_job_cpu", "--repeats", "0", "--out", str(tmp_path))
     main_job_cpu.main(["--out", str(tmp_path), "--", "--loss", "ce"])
     assert (tmp_path / f"main_job_cpu-{today()}-loss-ce.json").is_file()
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "must be at least 1"), (["--world", "0"], "must be at least 1"),
-    (["--batch", "-1"], "must be at least 1"), (["--hidden", "20"], "must be a multiple of 8"),
+    (["--steps", "0"], "must be a positive whole number"), (["--world", "0"], "must be a positive whole number"),
+    (["--batch", "-1"], "must be a positive whole number"), (["--hidden", "20"], "must be a multiple of 8"),
 ])
 def test_distributed_step_options_are_checked(capsys, monkeypatch, tmp_path, argv, message):
     import distributed_step
@@ -275,7 +277,7 @@ def test_device_run_packs_the_records(tmp_path):
     sets the exit status, and $OUT holds no more files than the device tool returns."""
     python = (f'case "$1" in -c) exit 0 ;; -m) exit 1 ;; esac\nexec {shlex.quote(sys.executable)} "$@" --device cpu '
               "--small --tokens 37 --reps 1 --rotate 1 --variants hf_eager slab_fwdgrad")
-    proc = _device_run(tmp_path, "peers", "gpt2", fake={"nvidia-smi": "echo name; echo H100", "python3": python})
+    proc = _device_run(tmp_path, "peers", fake={"nvidia-smi": "echo name; echo H100", "python3": python})
     out = tmp_path / "out"
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["device.txt", "failures.txt", "log.txt", "records.tar.gz"]

@@ -55,9 +55,14 @@ def test_num_items_in_batch_and_shift_labels(family):
     a = ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss
     b = model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
     torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
-    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
-    c = model(input_ids=ids, shift_labels=shift).loss  # shift_labels alone asks for the loss
-    torch.testing.assert_close(c, ref(input_ids=ids, labels=labels).loss, rtol=1e-5, atol=0)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    shift[1, 1] = -100  # so that a loss from labels would differ from one from shift_labels
+    c = model(input_ids=ids, labels=labels, shift_labels=shift).loss
+    torch.testing.assert_close(c, ref(input_ids=ids, labels=labels, shift_labels=shift).loss, rtol=1e-5, atol=0)
+    assert not torch.allclose(c, ref(input_ids=ids, labels=labels).loss)
+    alone, stock = model(input_ids=ids, shift_labels=shift), ref(input_ids=ids, shift_labels=shift)
+    assert alone.loss is None and stock.loss is None  # as in transformers: no labels, no loss
+    torch.testing.assert_close(alone.logits, stock.logits)
     custom = labels.masked_fill(labels == -100, 5)
     d = model(input_ids=ids, labels=custom, ignore_index=5).loss
     e = ref(input_ids=ids, labels=custom, ignore_index=5).loss
