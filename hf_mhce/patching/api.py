@@ -5,17 +5,17 @@ from __future__ import annotations
 import copy
 import os
 import types
+import warnings
 
-import torch
 
 from .card import set_card_section
 from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config
-from .families import (FAMILIES, LogitFacts, check_loss_function, check_structure, defined_in_transformers, model_type,
-                       probe_inputs, unsupported)
-from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, generic_forward, mirrored_signature
+from .families import FAMILIES, LogitFacts, UnsupportedModelError, check_loss_function, check_structure, model_type, unsupported
+from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, mirrored_signature
 from .head import UnsupportedHeadError, resolve_head
 from .methods import bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
 from .methods import unwrap as _unwrap
+from .probe import foreign_forward, foreign_params, original_forward, verify
 
 def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
                 override_saved: bool = False, **loss_options):
@@ -33,7 +33,13 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
     target = _unwrap(model)
     state = target.__dict__.get(STATE_ATTR)
     out_cls, _, router = check_structure(target)
-    facts = _facts(target, out_cls, router)
+    try:
+        facts, foreign = _facts(target, out_cls, router, state)
+    except UnsupportedModelError as err:
+        if state is None:
+            raise
+        unpatch(model)  # its patch was checked on what the model was then, not on what it is now
+        raise UnsupportedModelError(f"{err} The model was patched before and is unpatched now.") from err
     saved = getattr(target.config, CONFIG_KEY, None)
     cfg = resolve_config(saved, state.config if state else None, loss, num_heads, loss_options, override_saved)
     _check_head(target, cfg.num_heads)
@@ -47,12 +53,12 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             config=cfg, facts=facts, output_cls=out_cls, signature=sig, positional=_positional(sig),
             attr=attr, original=target.__dict__.get(attr, ABSENT),
             original_config=saved if saved is not None else ABSENT,
-            original_accepts=target.__dict__.get(_ACCEPTS, ABSENT), router=router,
+            original_accepts=target.__dict__.get(_ACCEPTS, ABSENT), router=router, foreign=foreign,
         )
         target.__dict__[STATE_ATTR] = state
         bind_forward(target)
     else:
-        state.config, state.facts, state.router = cfg, facts, router
+        state.config, state.facts, state.router, state.foreign = cfg, facts, router, foreign
         if live_attr(target) is None:  # replaced since (e.g. by Liger): asked again, so put it back
             state.attr = forward_attr(target)
             bind_forward(target)
@@ -195,71 +201,31 @@ def _check_head(model, num_heads: int) -> None:
         )
 
 
-def _facts(model, out_cls, router) -> LogitFacts:
-    """The family's logit facts.  A family outside the table, or a class whose forward is not
-    transformers' own (a user subclass overriding it, remote code), must pass the verification probe."""
+def _facts(model, out_cls, router, state) -> tuple[LogitFacts, dict]:
+    """The family's logit facts and the forward's own options the fused forward cannot apply.  A
+    family outside the table, or a forward that is not transformers' own (a subclass's override,
+    remote code, one replaced on the instance), must pass the verification probe (probe.py)."""
     kind = model_type(model)
     facts = FAMILIES.get(kind)
-    own = defined_in_transformers(type(model).forward)
-    if facts is not None and own:
-        return facts
+    forward = original_forward(model, state)
+    foreign = foreign_forward(model, forward)
+    if facts is not None and foreign is None:
+        return facts, {}
     # Probed per instance, never cached per class: a family may transform its logits by a config
     # value (HyperCLOVAX-like scales) that is the identity in one instance and not in the next.
     facts = facts or LogitFacts()
-    if not _probe(model, out_cls, facts, router):
-        module = getattr(type(model).forward, "__module__", "?")
-        why = (f"model type {kind!r} is not in the family table" if own else
-               f"{type(model).__name__}.forward is defined outside transformers (in {module}), so the fused loss "
-               "would bypass it,")
-        raise unsupported(model, f"{why} and the generic forward does not reproduce its logits and loss")
-    return facts
-
-
-@torch.no_grad()
-def _probe(model, out_cls, facts: LogitFacts, router) -> bool:
-    """Does the generic path give the original forward's logits and loss (and a mixture of experts'
-    aux_loss) on a few tokens (eval mode)?"""
-    from .config import LossConfig
-
-    if any(p.is_meta for p in model.parameters()):
-        raise unsupported(model, f"{type(model).__name__} (model type {model_type(model)!r}) must be verified against "
-                                 "the generic forward, but its weights are on the meta device")
     sig = mirrored_signature(type(model))
-    state = PatchState(LossConfig(return_logits=True), facts, out_cls, sig, _positional(sig), "forward",
-                       ABSENT, ABSENT, router=router)
-    was_training = model.training
-    hooks = _hook_snapshot(model)
-    model.eval()
-    try:
-        ids = probe_inputs(model)
-        extra = {"output_router_logits": True} if router else {}
-        reference = type(model).forward(model, input_ids=ids, labels=ids, use_cache=False, **extra)
-        ours = generic_forward(model, state, input_ids=ids, labels=ids, use_cache=False, **extra)
-        pairs = [(reference.logits, ours.logits), (reference.loss, ours.loss)]
-        if router and (reference.aux_loss is not None or ours.aux_loss is not None):
-            pairs.append((reference.aux_loss, ours.aux_loss))
-        return all(r.shape == o.shape and torch.allclose(r.float(), o.float(), rtol=1e-4, atol=1e-5) for r, o in pairs)
-    except Exception:  # noqa: BLE001 - any failure means the generic path does not fit
-        return False
-    finally:
-        model.train(was_training)
-        _remove_new_hooks(hooks)
-
-
-# transformers installs output-capturing forward hooks, local closures that pickle cannot save, on the
-# first forward that records outputs (router logits here), and marks the model with this attribute.
-_HOOKED = "_output_capturing_hooks_installed"
-
-
-def _hook_snapshot(model):
-    return [(m, set(m._forward_hooks), m.__dict__.get(_HOOKED, ABSENT)) for m in model.modules()]
-
-
-def _remove_new_hooks(snapshot) -> None:
-    """Undo the hooks the probe's forwards installed: the probe must leave the model as it found it
-    (a model that pickled before apply_patch still pickles, and after unpatch)."""
-    for module, keys, flag in snapshot:
-        for key in set(module._forward_hooks) - keys:
-            for table in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
-                table.pop(key, None)
-        _restore_attr(module, _HOOKED, flag)
+    why = verify(model, out_cls, facts, router, forward, sig, _positional(sig))
+    if why is not None:
+        head = (f"model type {kind!r} is not in the family table" if foreign is None else
+                f"{foreign}, so the fused loss would bypass it,")
+        raise unsupported(model, f"{head} and the generic forward does not reproduce its logits and loss: {why}")
+    if foreign is None:
+        return facts, {}
+    warnings.warn(
+        f"hf_mhce: {foreign}; the fused forward replaces it. A check on a few tokens found the same logits and "
+        "loss, but what that forward does only in training, on longer inputs or later (a loss term that is zero "
+        "now) will not happen. Call apply_patch again after changing what its output depends on.",
+        stacklevel=3,
+    )
+    return facts, foreign_params(model, forward)

@@ -18,10 +18,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from .routers import ROUTER_FIELDS, RouterFacts, router_facts
+
+
+_STOCK_LOSS_PROPERTY = PreTrainedModel.__dict__["loss_function"]
 
 
 class UnsupportedModelError(TypeError):
@@ -100,9 +105,12 @@ def unsupported(model: nn.Module, reason: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"cannot patch {type(model).__name__}: {reason}. {requirement_text()}.")
 
 
-def defined_in_transformers(function) -> bool:
-    """Is ``function`` transformers' own (not a user subclass's override, nor remote code's)?"""
-    return (getattr(function, "__module__", None) or "").startswith("transformers.")
+def defined_in_transformers(model_class: type) -> bool:
+    """Is ``model_class``'s forward transformers' own: does a class of transformers define it (not a user
+    subclass's override, nor remote code's)?  Judged by the defining class, not the function, whose
+    ``__module__`` a ``functools.wraps`` decorator copies from the forward it wraps."""
+    owner = next((c for c in model_class.__mro__ if "forward" in c.__dict__), object)
+    return owner.__module__.startswith("transformers.")
 
 
 # Where the decoder sits when get_decoder() finds none and returns the model itself (Llama-4's text
@@ -120,11 +128,13 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 def custom_loss_function(model: nn.Module):
     """The loss transformers' forward would call where it is not the stock causal-LM cross-entropy
-    (``model.loss_function = fn``, or ``model.loss_type`` naming another entry of LOSS_MAPPING), else
-    None.  Read as transformers' property reads it, without that property's unknown-loss_type warning."""
-    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-
-    fn = getattr(model, "_loss_function", None)  # what the property's setter stores
+    (``model.loss_function = fn``, ``model.loss_type`` naming another entry of LOSS_MAPPING, or a
+    subclass's own ``loss_function``), else None.  Read as transformers' property reads it, without
+    that property's unknown-loss_type warning, and in steps dynamo traces without a graph break."""
+    if type(model).loss_function is not _STOCK_LOSS_PROPERTY:
+        fn = model.loss_function  # a subclass's own property or method
+    else:
+        fn = getattr(model, "_loss_function", None)  # what the property's setter stores
     if fn is None:
         loss_type = getattr(model, "loss_type", None)
         fn = LOSS_MAPPING[loss_type if loss_type in LOSS_MAPPING else "ForCausalLM"]
@@ -146,7 +156,7 @@ def check_loss_function(model: nn.Module) -> None:
 def stock_forward(model_class: type):
     """The forward of the nearest class in ``model_class``'s MRO that transformers defines (None if none)."""
     return next((c.__dict__["forward"] for c in model_class.__mro__
-                 if defined_in_transformers(c.__dict__.get("forward"))), None)
+                 if "forward" in c.__dict__ and c.__module__.startswith("transformers.")), None)
 
 
 def model_type(model: nn.Module) -> str | None:
@@ -188,8 +198,6 @@ def _annotated_output(forward) -> type | None:
 def check_structure(model: nn.Module) -> tuple[type, nn.Module, RouterFacts | None]:
     """Checks of the generic requirement that need no forward pass; returns (output type, decoder,
     router facts of a mixture of experts or None)."""
-    from transformers import PreTrainedModel
-
     if not isinstance(model, PreTrainedModel):
         raise unsupported(model, "it is not a transformers PreTrainedModel (nor a PeftModel wrapping one)")
     if getattr(model.config, "is_encoder_decoder", False):
@@ -216,7 +224,7 @@ def check_structure(model: nn.Module) -> tuple[type, nn.Module, RouterFacts | No
 
 
 def probe_inputs(model: nn.Module) -> torch.Tensor:
-    """A few token ids on the embedding's device, for the verification probe."""
+    """Two rows of a few token ids on the embedding's device, for the verification probe."""
     embed = model.get_input_embeddings()
     vocab = embed.weight.shape[0]
-    return (torch.arange(3, 9, device=embed.weight.device) % vocab).unsqueeze(0)
+    return torch.stack([torch.arange(3, 9), torch.arange(11, 17)]).to(embed.weight.device) % vocab

@@ -55,6 +55,7 @@ class PatchState:
     original_accepts: object = field(default_factory=lambda: ABSENT)  # instance's accepts_loss_kwargs before
     warned_adapter_save: bool = False
     router: RouterFacts | None = None  # a mixture of experts' load-balancing loss (routers.py)
+    foreign: dict = field(default_factory=dict)  # a replaced forward's own options: {name: default} (probe.py)
 
 
 class _Absent:
@@ -117,6 +118,11 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
         if name in kwargs:
             raise TypeError(f"forward() got multiple values for argument {name!r}")
         kwargs[name] = value
+    for name, default in state.foreign.items():
+        if name in kwargs and not _is_default(kwargs.pop(name), default):
+            raise TypeError(
+                f"{name!r} is an option of the forward hf_mhce replaced ({type(model).__name__}'s own), which the "
+                f"fused forward cannot apply; leave it at its default {default!r}, or hf_mhce.unpatch(model)")
     cfg = state.config
     if "peft_config" in model.__dict__ and not (state.saves_adapters or state.warned_adapter_save):
         _warn_adapter_save(state)
@@ -159,6 +165,15 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
         passthrough["aux_loss"] = aux_loss
     result = state.output_cls(loss=loss, logits=logits, **passthrough)
     return result if return_dict else result.to_tuple()
+
+
+def _is_default(value, default) -> bool:
+    if value is default or torch.is_tensor(value) or torch.is_tensor(default):
+        return value is default
+    try:
+        return bool(value == default)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are not the default
+        return False
 
 
 def _warn_adapter_save(state: PatchState) -> None:

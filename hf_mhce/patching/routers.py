@@ -12,7 +12,7 @@ decoder records router logits at all.  The function is a module-level copy in ea
 file, the counts and the coefficient are attributes of the model instance.  ``RouterFacts`` records
 where they are, so the generic forward adds the same term to the fused loss.  Families whose module
 has no such function (GLM-4 MoE, Hunyuan MoE, ...) return router logits but add no loss term.  A
-family that computes it otherwise fails the verification probe (api._probe compares aux_loss and
+family that computes it otherwise fails the verification probe (probe.verify compares aux_loss and
 loss) and is refused.
 """
 
