@@ -15,6 +15,8 @@ import time
 
 import torch
 
+TRUST_REMOTE_CODE = "--trust-remote-code"
+
 
 def _demo(args: argparse.Namespace) -> int:
     import torch.nn.functional as F
@@ -67,18 +69,23 @@ def _demo(args: argparse.Namespace) -> int:
 def _rbe(args: argparse.Namespace) -> int:
     import json
 
-    from .rbe.data import DataError, load_texts, load_tokenizer, token_blocks
+    from .rbe.data import DataError, load_texts, load_tokenizer, remote_code_option, token_blocks
     from .rbe.evaluate import evaluate
     from .rbe.plots import plot_rank_distribution
 
+    def trusting():  # around every load of the checkpoint: a refusal of its custom code names the flag
+        return remote_code_option(TRUST_REMOTE_CODE, SystemExit)
+
     # the cheap checks first: a wrong argument is named before the model and the data are loaded
-    limit, limit_name = _max_positions(args.model)
+    with trusting():
+        limit, limit_name = _max_positions(args.model, args.trust_remote_code)
     block_size = args.block_size if args.block_size is not None else min(256, limit or 256)
     if limit is not None and block_size > limit:
         raise SystemExit(f"--block-size {block_size} is more than the {limit} positions {args.model} takes "
                          f"({limit_name} in its config): pass --block-size {limit} or less")
     try:
-        tokenizer, tokenizer_source = load_tokenizer(args.tokenizer, args.model)
+        with trusting():
+            tokenizer, tokenizer_source = load_tokenizer(args.tokenizer, args.model, args.trust_remote_code)
         data = load_texts(args.dataset, args.split, args.dataset_config)
         rows = token_blocks(data, tokenizer, args.text_column, block_size)
     except DataError as err:
@@ -92,7 +99,8 @@ def _rbe(args: argparse.Namespace) -> int:
         raise SystemExit(f"{args.dataset!r} has rows of up to {longest} token ids, more than the {limit} positions "
                          f"{args.model} takes")
 
-    model = _load_model(args.model)
+    with trusting():
+        model = _load_model(args.model, args.trust_remote_code)
     vocab = model.get_input_embeddings().weight.shape[0]
     top = max(max(r["input_ids"]) for r in rows)
     if top >= vocab:
@@ -111,13 +119,13 @@ def _rbe(args: argparse.Namespace) -> int:
     return 0
 
 
-def _max_positions(model: str) -> tuple[int | None, str | None]:
+def _max_positions(model: str, trust_remote_code: bool = False) -> tuple[int | None, str | None]:
     """The longest input the model's config allows, and the config field that says so."""
     from .patching.config import adapter_base, checkpoint_config
 
     if adapter_base(model) is None and os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
         return None, None  # not a checkpoint: loading it says why
-    _, config = checkpoint_config(model)
+    _, config = checkpoint_config(model, trust_remote_code)
     for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
@@ -125,15 +133,16 @@ def _max_positions(model: str) -> tuple[int | None, str | None]:
     return None, None
 
 
-def _load_model(path: str):
+def _load_model(path: str, trust_remote_code: bool = False):
     """hf_mhce.from_pretrained, refusing a checkpoint whose LM head is not in it (a sequence classifier,
     a bare LlamaModel): transformers would initialise the head at random and the report describe noise."""
     from .patching import from_pretrained
 
     if os.path.isfile(os.path.join(path, "adapter_config.json")) or (
             os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json"))):
-        return from_pretrained(path)  # a PEFT adapter (its base has the head), or a directory it explains
-    model, info = from_pretrained(path, output_loading_info=True)
+        # a PEFT adapter (its base has the head), or a directory it explains
+        return from_pretrained(path, trust_remote_code=trust_remote_code)
+    model, info = from_pretrained(path, output_loading_info=True, trust_remote_code=trust_remote_code)
     head = model.get_output_embeddings()
     names = {n for n, p in model.named_parameters(remove_duplicate=False) if head is not None and p is head.weight}
     # a tied head (GPT-2's lm_head) is not missing when the embedding it shares is in the checkpoint
@@ -204,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
     rbe.add_argument("--json", default=None, help="write the report as JSON to this file")
     rbe.add_argument("--plot", default=None, help="write the rank distribution (log-log PNG) to this file")
     rbe.add_argument("--no-progress", action="store_true")
+    rbe.add_argument(TRUST_REMOTE_CODE, action="store_true",
+                     help="run the custom modeling code a checkpoint carries (auto_map in its config.json: the model, "
+                          "config or tokenizer class): set it only for checkpoints you trust and whose code you have "
+                          "read, as it executes that code on this machine")
     rbe.set_defaults(func=_rbe)
     return parser
 

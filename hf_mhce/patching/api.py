@@ -147,8 +147,8 @@ def from_pretrained(path_or_id, **kwargs):
     with ``peft.AutoPeftModelForCausalLM`` (base model from the adapter's record) and gets the
     loss config saved beside the adapter (``hf_mhce.json``), else its base's.  The apply_patch
     arguments (loss, num_heads, override_saved and the LossConfig options) may be given here too;
-    everything else goes to from_pretrained (``output_loading_info=True`` gives (model, report) for a
-    checkpoint, as transformers does).
+    everything else goes to from_pretrained (``trust_remote_code=True`` for a model that is custom code;
+    ``output_loading_info=True`` gives (model, report) for a checkpoint, as transformers does).
     """
     names = ("loss", "num_heads", "override_saved", *OPTION_NAMES)
     patch_kwargs = {k: kwargs.pop(k) for k in names if k in kwargs}

@@ -3,7 +3,7 @@
 ``save_pretrained`` of a patched model (and so ``Trainer.save_model``) writes or refreshes a
 section of ``README.md`` in the save directory, between hf_mhce markers (the rest of the card is
 left as it is): the loss configuration, for MHCE the statement that hf_mhce is needed to reproduce
-the trained distribution with the two lines that load it, and sections contributed by upper
+the trained distribution with the lines that load it, and sections contributed by upper
 layers (the RBE callback adds its final table and plot links) through ``set_card_section``.
 The template is ``templates/model_card_section.md`` (also under model_cards/ in the repository).
 """
@@ -27,9 +27,11 @@ different distribution; to reproduce the trained one (generation, evaluation, pe
 
 ```python
 import hf_mhce
-model = hf_mhce.from_pretrained("$name_or_path")  # or the Hub id this folder is pushed to
+${remote_comment}model = hf_mhce.from_pretrained("$name_or_path"$remote_kwarg)  # or the Hub id this folder is pushed to
 ```
 """
+# Without it transformers refuses a folder whose model class is custom code ("contains custom code").
+_REMOTE_COMMENT = "# trust_remote_code=True runs the model's own modeling code (auto_map in config.json)\n"
 
 
 def set_card_section(model, title: str, render: Callable[[str], str] | None) -> None:
@@ -41,6 +43,14 @@ def set_card_section(model, title: str, render: Callable[[str], str] | None) -> 
         sections[title] = render
 
 
+def needs_remote_code(model) -> bool:
+    """Whether loading the saved model takes trust_remote_code=True: its config maps the Auto classes to
+    custom code and the model is an instance of that code, not of transformers' own class (Phi-3 or
+    Falcon checkpoints keep an auto_map although transformers has the class: trusting it there would
+    fetch and run other code than what was trained)."""
+    return bool(getattr(model.config, "auto_map", None)) and not type(model).__module__.startswith("transformers.")
+
+
 def render_section(model, config, save_directory: str, adapter: bool = False) -> str:
     """``adapter``: a PEFT adapter saved alone, whose loss config is in hf_mhce.json (no config.json)."""
     template = Template(resources.files(__package__).joinpath("templates/model_card_section.md").read_text())
@@ -49,7 +59,10 @@ def render_section(model, config, save_directory: str, adapter: bool = False) ->
     note = ""
     if config.loss == "mhce":  # load what was saved here (the model's _name_or_path is where it came from),
         # by an absolute path: a relative one read from another directory is taken for a Hub id
-        note = Template(_MHCE_NOTE).substitute(num_heads=config.num_heads, name_or_path=os.path.abspath(save_directory))
+        remote = needs_remote_code(model)
+        note = Template(_MHCE_NOTE).substitute(num_heads=config.num_heads, name_or_path=os.path.abspath(save_directory),
+                                               remote_comment=_REMOTE_COMMENT if remote else "",
+                                               remote_kwarg=", trust_remote_code=True" if remote else "")
     extra = ""
     for title, render in model.__dict__.get(SECTIONS_ATTR, {}).items():
         body = render(save_directory)

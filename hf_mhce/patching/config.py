@@ -118,15 +118,17 @@ def adapter_base(path: str) -> str | None:
         return json.load(f).get("base_model_name_or_path")
 
 
-def checkpoint_config(path: str) -> tuple[dict | None, object]:
+def checkpoint_config(path: str, trust_remote_code: bool = False) -> tuple[dict | None, object]:
     """(the loss config a checkpoint records, or None; its transformers config), without the weights.
-    A PEFT adapter directory records the loss beside it (hf_mhce.json) and takes its base's config."""
+    A PEFT adapter directory records the loss beside it (hf_mhce.json) and takes its base's config.
+    ``trust_remote_code``: run a config class the checkpoint carries as custom code (auto_map); False
+    refuses it at once (transformers' None would prompt on a terminal)."""
     from transformers import AutoConfig
 
     base = adapter_base(path)
     if base is not None:
-        return read_adapter_config(path), AutoConfig.from_pretrained(base)
-    config = AutoConfig.from_pretrained(path)
+        return read_adapter_config(path), AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     return getattr(config, CONFIG_KEY, None), config
 
 

@@ -4,6 +4,7 @@ tokenised and cut into blocks of a fixed number of tokens."""
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 
 from ..patching.config import adapter_base
@@ -18,6 +19,29 @@ _WHOLE = "train"
 
 class DataError(ValueError):
     """Evaluation data that cannot be used; the message names the data and what to do."""
+
+
+class RemoteCodeRefused(ValueError):
+    """A checkpoint whose model (config, tokenizer) is custom code, loaded without the option to run it."""
+
+
+def refuses_remote_code(err: BaseException) -> bool:
+    """transformers' refusal to run a checkpoint's custom code (its message asks for trust_remote_code=True)."""
+    return isinstance(err, ValueError) and "trust_remote_code=True" in str(err)
+
+
+@contextlib.contextmanager
+def remote_code_option(option: str, error: type[BaseException] = RemoteCodeRefused):
+    """Loads of a checkpoint for a command line: transformers' refusal of its custom code names the Python
+    argument trust_remote_code=True, which a command-line user cannot pass; raised again as ``error``
+    naming ``option``, the command's flag for it."""
+    try:
+        yield
+    except ValueError as err:
+        if not refuses_remote_code(err):
+            raise
+        what = str(err).split(" You can inspect")[0].strip()  # "The repository X contains custom code ..."
+        raise error(f"{what} Pass {option} to run it (only for code you trust: it runs on this machine)") from None
 
 
 def load_texts(path_or_name: str, split: str | None = None, config: str | None = None, split_option: str = "--split"):
@@ -162,11 +186,11 @@ def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int 
     return [{"input_ids": b} for b in blocks if len(b) > 1]
 
 
-def load_tokenizer(tokenizer: str | None, model: str):
+def load_tokenizer(tokenizer: str | None, model: str, trust_remote_code: bool = False):
     """(tokenizer, where from): --tokenizer, else the model's, else a PEFT adapter's base model's.  A
     directory without tokenizer files is refused: AutoTokenizer would build an empty tokenizer from the
     model's config (GPT-2), or fail asking for sentencepiece (Llama).  ``--tokenizer`` in messages is the
-    option of both command lines."""
+    option of both command lines; a refusal of custom code is left to the caller's remote_code_option."""
     from transformers import AutoTokenizer
 
     source, where = tokenizer or model, tokenizer or model
@@ -178,8 +202,11 @@ def load_tokenizer(tokenizer: str | None, model: str):
         raise DataError(f"no tokenizer in {where}: pass --tokenizer (a directory or hub id with the model's "
                         "tokenizer)")
     try:
-        loaded = AutoTokenizer.from_pretrained(source)
+        # False, not None: None makes transformers prompt on a terminal (and wait 15 s) for custom code
+        loaded = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
+        if refuses_remote_code(err):
+            raise
         raise DataError(f"could not load a tokenizer from {source}: {err}\npass --tokenizer") from err
     if len(loaded) < 2:
         raise DataError(f"the tokenizer loaded from {source} has {len(loaded)} token(s), no vocabulary: pass the "

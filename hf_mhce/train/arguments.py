@@ -22,6 +22,10 @@ class ModelArguments:
     num_hidden_layers: int = field(default=2, metadata={"help": "layers of the default Llama"})
     num_attention_heads: int = field(default=4, metadata={"help": "attention heads of the default Llama"})
     intermediate_size: int = field(default=384, metadata={"help": "MLP size of the default Llama"})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "run the custom modeling code --model's checkpoint carries (auto_map in its config.json: the model, "
+                "config or tokenizer class): set it only for checkpoints you trust and whose code you have read, as "
+                "it executes that code on this machine"})
 
 
 @dataclass
@@ -96,6 +100,7 @@ class TrainArguments(TrainingArguments):
 
 ALL_ARGUMENTS = (ModelArguments, DataArguments, LossArguments, LoraArguments, TrainArguments)
 FRESH_MODEL_LOSS = ("mhce", 4)  # --loss / --num_heads when no checkpoint says otherwise
+TRUST_REMOTE_CODE = "--trust_remote_code"
 
 
 def requested_loss(loss_args, saved: dict | None) -> tuple[str | None, int | None]:
@@ -110,17 +115,18 @@ def requested_loss(loss_args, saved: dict | None) -> tuple[str | None, int | Non
     return loss, heads
 
 
-def checkpoint_facts(path: str) -> tuple[dict | None, object]:
+def checkpoint_facts(path: str, trust_remote_code: bool = False) -> tuple[dict | None, object]:
     """patching.config.checkpoint_config of --model, after naming a local path that does not exist.
     An adapter saved without hf_mhce.json gets its base's record, as from_pretrained gives it."""
     import os
 
     from ..patching.config import CONFIG_KEY, adapter_base, checkpoint_config
-    from ..rbe.data import looks_like_a_path
+    from ..rbe.data import looks_like_a_path, remote_code_option
 
     if not os.path.exists(os.path.expanduser(path)) and looks_like_a_path(path):
         raise ValueError(f"--model {path}: no such directory")
-    saved, config = checkpoint_config(path)
+    with remote_code_option(TRUST_REMOTE_CODE):
+        saved, config = checkpoint_config(path, trust_remote_code)
     if saved is None and adapter_base(path) is not None:
         saved = getattr(config, CONFIG_KEY, None)
     return saved, config
@@ -181,7 +187,7 @@ def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict |
             raise ValueError(f"--{name} {getattr(data_args, name)} must be at least 1 (leave it out for all blocks)")
     if loss_args.sample_tokens < 0 or (loss_args.sample_tokens and not loss_args.sample_prompt):
         raise ValueError("--sample_tokens must be >= 0 and --sample_prompt not empty (--sample_tokens 0: no sample)")
-    saved, config = checkpoint_facts(model_args.model) if model_args.model else (None, None)
+    saved, config = checkpoint_facts(model_args.model, model_args.trust_remote_code) if model_args.model else (None, None)
     # the config the model will be patched with, resolved against the checkpoint's record as
     # build_model's apply_patch will: a refused change of the saved loss is named before the data is read
     loss, heads = requested_loss(loss_args, saved)

@@ -16,8 +16,8 @@ import torch
 from .. import patching
 from ..rbe import RBECallback
 from . import corpus
-from .arguments import (DataArguments, check_arguments, check_schedule, explained, fuse_label_smoothing,
-                        requested_loss)
+from .arguments import (TRUST_REMOTE_CODE, DataArguments, check_arguments, check_schedule, explained,
+                        fuse_label_smoothing, requested_loss)
 
 DEFAULT_EVAL_SPLIT = DataArguments.eval_split
 # what a save leaves in output_dir: a full model, or a PEFT adapter (with hf_mhce's record beside it)
@@ -29,11 +29,12 @@ _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_m
 def build_tokenizer(model_args, texts, config=None):
     """--tokenizer, else --model's (an adapter's base model's), else a BPE trained on ``texts``;
     checked against the vocabulary of --model's ``config``."""
-    from ..rbe.data import load_tokenizer
+    from ..rbe.data import load_tokenizer, remote_code_option
 
     if not (model_args.tokenizer or model_args.model):
         return corpus.train_tokenizer(texts, model_args.vocab_size)
-    tok, source = load_tokenizer(model_args.tokenizer, model_args.model)
+    with remote_code_option(TRUST_REMOTE_CODE):
+        tok, source = load_tokenizer(model_args.tokenizer, model_args.model, model_args.trust_remote_code)
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and len(tok) > vocab:
         raise ValueError(f"the tokenizer from {source} has {len(tok)} tokens but {model_args.model} embeds {vocab}: "
@@ -48,11 +49,15 @@ def build_model(model_args, loss_args, tokenizer, saved=None):
     loss config the checkpoint records, see arguments.requested_loss)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from ..rbe.data import remote_code_option
+
     loss, num_heads = requested_loss(loss_args, saved)
     options = dict(loss=loss, num_heads=num_heads, override_saved=loss_args.override_saved,
                    label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
     if model_args.model:  # patched as it loads: no interim record a requested loss would have to override
-        return explained(patching.from_pretrained, model_args.model, **options)
+        with remote_code_option(TRUST_REMOTE_CODE):
+            return explained(patching.from_pretrained, model_args.model, trust_remote_code=model_args.trust_remote_code,
+                             **options)
     else:
         config = LlamaConfig(
             vocab_size=len(tokenizer), hidden_size=model_args.hidden_size,

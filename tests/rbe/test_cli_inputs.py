@@ -4,6 +4,8 @@ transformers losses; refusals must name the problem before any numbers are print
 
 import json
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,6 +24,9 @@ from transformers import (
 from hf_mhce.cli import main
 from hf_mhce.rbe.data import DataError, load_texts, token_blocks
 from hf_mhce.train import corpus
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "patching"))
+from test_remote_code import REPLACED_FORWARD, remote_code_checkpoint  # noqa: E402
 
 POSITIONS = 32
 TEXT = "the cat sat on the mat\nthe dog sat on the log\n\na cat and a dog met on the mat\n" * 4
@@ -159,6 +164,24 @@ def test_checkpoint_without_lm_head_is_refused(ckpt, capsys):
     msg = _refused(root / "seqcls", "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
     assert f"{root / 'seqcls'} has no language-model head" in msg
     assert "LlamaForSequenceClassification" in msg and "lm_head.weight not in the checkpoint" in msg
+
+
+@pytest.mark.filterwarnings(REPLACED_FORWARD)
+def test_a_remote_code_checkpoint_is_run_with_the_flag(ckpt, tmp_path, capsys):
+    """A checkpoint whose model is custom code (auto_map): there was no way to pass trust_remote_code, and
+    transformers' refusal named that Python argument; --trust-remote-code runs it, and without it the
+    refusal names the flag."""
+    from transformers import AutoModelForCausalLM
+
+    root, tok = ckpt
+    remote = remote_code_checkpoint(tmp_path / "remote", tok)
+    msg = _refused(remote, "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
+    assert f"The repository {remote} contains custom code" in msg and "Pass --trust-remote-code to run it" in msg
+    stream = _stream(tok)
+    rows = [stream[i:i + 16] for i in range(0, len(stream), 16)]
+    want, n = _reference_ce(AutoModelForCausalLM.from_pretrained(remote, trust_remote_code=True), rows)
+    report = _run(remote, "--dataset", root / "c.txt", "--block-size", 16, "--trust-remote-code", tmp_path=tmp_path)
+    assert report["num_tokens"] == n and report["cross_entropy"] == pytest.approx(want, rel=1e-5)
 
 
 # -- datasets -----------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ def test_parse_defaults_and_config_file(tmp_path):
 def test_help_lists_every_option():
     out = subprocess.run([sys.executable, "-m", "hf_mhce.cli", "train", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for option in ("--num_heads", "--lora_r", "--dataset", "--model", "--learning_rate", "--gradient_accumulation_steps"):
+    for option in ("--num_heads", "--lora_r", "--dataset", "--model", "--trust_remote_code", "--learning_rate",
+                   "--gradient_accumulation_steps"):
         assert option in out
 
 

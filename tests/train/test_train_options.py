@@ -4,12 +4,17 @@ saved, a used output directory is not mixed into, and bad values are named befor
 
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 from test_train_job import REDUCED, _tiny_checkpoint
 
 import hf_mhce
 from hf_mhce.train import parse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "patching"))
+from test_remote_code import REPLACED_FORWARD, remote_code_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 SHORT = ["--max_steps", "2", "--eval_steps", "2", "--logging_steps", "1"]
@@ -197,3 +202,27 @@ def test_the_table_prints_the_cross_entropy_not_the_smoothed_objective():
     table = summary_table({"loss": "ce", "num_heads": 1, "parameters": 1e6, "train_tokens": 10, "wall_seconds": 1,
                            "final_eval": final, "sample": None}, ["docs"])
     assert "5.7046" in table and "300.25" in table and "6.0301" not in table and "sample" not in table
+
+
+@pytest.mark.filterwarnings(REPLACED_FORWARD)
+def test_a_remote_code_checkpoint_trains_with_the_flag(plain, tmp_path, monkeypatch):
+    """--model with custom code (auto_map): there was no option for trust_remote_code, and transformers'
+    refusal named the Python argument; --trust_remote_code reaches every load (config, tokenizer, model),
+    and without it the refusal names the flag before any data is read."""
+    from hf_mhce.train import corpus, job
+
+    _, text = plain
+    tok = corpus.train_tokenizer(open(text).read().splitlines(), 300)
+    remote = remote_code_checkpoint(tmp_path / "remote", tok)
+    with monkeypatch.context() as m:
+        m.setattr(job, "build_datasets", lambda *_: pytest.fail("data read before the options were checked"))
+        with pytest.raises(ValueError, match=re.escape(f"The repository {remote} contains custom code") +
+                           ".*Pass --trust_remote_code to run it"):
+            _run(tmp_path / "o", "--model", remote, "--dataset", text)
+    # (no sample: the toy model has no generation cache)
+    summary = _run(tmp_path / "o", "--model", remote, "--dataset", text, "--trust_remote_code", "--sample_tokens", "0")
+    assert (summary["loss"], summary["num_heads"]) == ("mhce", 4) and summary["final_eval"]
+    out = tmp_path / "o"
+    assert (out / "modeling_toy_remote.py").exists()  # the code is saved with the model, and the card opts in
+    assert f'hf_mhce.from_pretrained("{out}", trust_remote_code=True)' in (out / "README.md").read_text()
+    assert hf_mhce.from_pretrained(out, trust_remote_code=True).config.hf_mhce["num_heads"] == 4
