@@ -333,3 +333,63 @@ def grad_out_for(reduction, labels, dtype=torch.float32):
     if reduction == "none":
         return torch.randn(labels.shape, dtype=dtype) * 2.0
     return torch.tensor(1.0 + torch.rand(()).item() * 2.0, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masked vocabularies (-inf bias entries): torch's values, not NaN.
+# ----------------------------------------------------------------------------------------------
+
+
+def masked_vocab_loss(hidden, weight, labels, num_heads=1, *, bias, label_smoothing=0.0, z_loss=0.0):
+    """Per-token loss [N] (0 where ignored, label -100) for a bias with -inf entries, differentiable.
+
+    One head: ``F.cross_entropy`` itself (inf for a masked target or with label smoothing, finite
+    gradients).  Several heads: the mixture loss where the target is allowed; where it is masked in
+    every head, the mean over heads of torch's per-head cross-entropy -- the library's convention
+    (the heads' responsibilities for a target of probability 0 are 0/0; it takes equal shares).
+    Built row subset by row subset: a logsumexp over all -inf entries has a NaN backward.
+    """
+    y = head_logits(hidden, weight, num_heads, bias=bias)  # [N, H, V]
+    n, h, _ = y.shape
+    valid = labels.reshape(-1) != -100
+    t = torch.where(valid, labels.reshape(-1), torch.zeros_like(labels.reshape(-1)))
+    lse = torch.logsumexp(y, dim=-1)
+    loss = torch.stack([F.cross_entropy(y[:, i], t, reduction="none", label_smoothing=label_smoothing)
+                        for i in range(h)], 1).mean(1)
+    y_t = y.gather(2, t.view(n, 1, 1).expand(n, h, 1))[..., 0]
+    allowed = (valid & torch.isfinite(y_t[:, 0])).nonzero()[:, 0]
+    if h > 1 and allowed.numel():
+        mix = math.log(h) - torch.logsumexp(y_t[allowed] - lse[allowed], dim=1)
+        if label_smoothing:
+            mix = (1.0 - label_smoothing) * mix + label_smoothing * (lse - y.mean(-1)).mean(1)[allowed]
+        loss = loss.index_put((allowed,), mix)
+    if z_loss:
+        loss = loss + z_loss * lse.square().mean(1)
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def masked_vocab_logprobs(hidden, weight, num_heads=1, *, bias):
+    """log pbar [N, V] for a bias with -inf entries, differentiable.  One head: ``log_softmax``, whose
+    gradient reaches masked entries (d log p_j / d y_j = 1 - p_j = 1).  Several heads: at entries
+    masked in every head the mean of the heads' log-probabilities (-inf), i.e. the library's
+    convention of equal shares 1/H for the 0/0 responsibilities there; the mixture elsewhere."""
+    logp = torch.log_softmax(head_logits(hidden, weight, num_heads, bias=bias), dim=-1)  # [N, H, V]
+    if num_heads == 1:
+        return logp[:, 0]
+    masked = torch.isneginf(logp).all(dim=1).all(dim=0)  # [V]; a -inf bias masks a column in every row
+    keep, drop = (~masked).nonzero()[:, 0], masked.nonzero()[:, 0]
+    out = torch.zeros(logp.shape[0], logp.shape[2], dtype=logp.dtype)
+    out = out.index_copy(1, keep, torch.logsumexp(logp[:, :, keep], dim=1) - math.log(num_heads))
+    return out.index_copy(1, drop, logp[:, :, drop].mean(1))
+
+
+def assert_same_nonfinite(actual, expected, *, name="", **tol):
+    """Equal infinities (and no NaN) where ``expected`` is infinite, close elsewhere."""
+    a, e = actual.detach().double(), expected.detach().double()
+    assert not a.isnan().any(), f"{name}: NaN"
+    inf = e.isinf()
+    assert torch.equal(a[inf], e[inf]), f"{name}: infinities differ"
+    if (e[~inf] != 0).any():
+        assert_close_scaled(a[~inf], e[~inf], name=name, **tol)
+    else:  # only ignored tokens are finite (label smoothing): exact zeros
+        assert torch.equal(a[~inf], e[~inf]), f"{name}: finite entries differ"

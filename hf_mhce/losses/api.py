@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -12,8 +14,16 @@ from .functions import MixtureLogprobs, MultiHeadTokenLoss
 
 # Under torch.compile the fused losses run as they are, between compiled graphs: they are already
 # fused sweeps, and tracing them would only meet their data-dependent checks and kernel launches
-# (graph breaks with warnings, or dynamo tracing the Triton launch code).
-_opaque_to_compile = torch.compiler.disable
+# (graph breaks with warnings, or dynamo tracing the Triton launch code).  The reason is what
+# fullgraph=True's error shows (dynamo otherwise says "reason: None").
+_COMPILE_REASON = (
+    "hf_mhce's fused losses run as they are, outside torch.compile's graph (their Triton/chunked sweeps "
+    "are already fused): compile with fullgraph=False, which breaks the graph once around the loss call"
+)
+_opaque_to_compile = (  # older torch has no reason argument
+    functools.partial(torch.compiler.disable, reason=_COMPILE_REASON)
+    if "reason" in inspect.signature(torch.compiler.disable).parameters else torch.compiler.disable
+)
 
 
 def _autocast(hidden, weight, bias, low_rank=None):
@@ -95,6 +105,10 @@ def multi_head_cross_entropy(
     backend: "auto" (Triton on CUDA, chunked torch elsewhere), "triton" or "torch"; defaults to
     the environment variable ``HF_MHCE_BACKEND``.
 
+    bias may hold -inf entries (predictions restricted to a sub-vocabulary): the values are torch's,
+    an infinite loss for a masked target and with label smoothing (mean_j y_hj is -inf), gradients
+    finite; under several heads a masked target's gradient is shared equally between the heads.
+
     low_rank: optional pair (U [..., num_heads, R], B [V, R]) adding ``U[..., h, :] @ B.T`` to head
     h's logits (before bias and softcap), in the same sweeps.  A LoRA adapter on the head is
     ``U_h = A[:, slice h] @ dropout(hidden)_h`` and ``B = scaling * lora_B``: this is how the patch
@@ -162,7 +176,8 @@ def multi_head_logprobs(
     With ``num_heads=1`` this is ``log_softmax(softcap(hidden @ weight.T + bias))``.  Computed in
     vocabulary/token blocks (never an [N, H, V] tensor); differentiable.  The output is [N, V] by
     nature, so every device computes it with the blocked torch sweeps (cuBLAS matmuls on GPU).
-    ``low_rank`` as in :func:`multi_head_cross_entropy`.
+    ``low_rank`` as in :func:`multi_head_cross_entropy`.  A -inf bias entry gives -inf; the gradient
+    reaching it passes to the logits as log_softmax's does, shared equally between the heads.
     """
     checks.check_not_meta(hidden=hidden, weight=weight, bias=bias, low_rank=low_rank)
     hidden, weight, bias, low_rank = _autocast(hidden, weight, bias, low_rank)

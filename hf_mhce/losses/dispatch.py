@@ -50,11 +50,14 @@ def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> Si
         raise ValueError("backend='triton' was requested but triton is not installed")
     if dtype not in _TRITON_DTYPES:
         raise ValueError(f"the Triton kernels support float32, bfloat16 and float16, got {dtype}; use backend='torch'")
-    from ..ops.triton_tile import interpreting
+    from ..ops import triton_tile
 
-    if device.type != "cuda" and not interpreting():
+    now, then = triton_tile.interpreting(), triton_tile.KERNELS_INTERPRETED
+    if device.type != "cuda" and not (now and then):
+        why = {(True, False): " (it was set after hf_mhce.ops.triton_* were imported: they are compiled for a GPU)",
+               (False, True): " (it was set when they were imported but is not set now)"}.get((now, then), "")
         raise ValueError(
             f"backend='triton' needs CUDA tensors (got {device.type}); for CPU tensors set "
-            "TRITON_INTERPRET=1 before hf_mhce's kernels are first imported"
+            f"TRITON_INTERPRET=1 before hf_mhce's kernels are first imported{why}"
         )
     return _triton_ops()

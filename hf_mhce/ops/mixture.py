@@ -17,6 +17,10 @@ with p = softmax(y_h), responsibilities rho_h = p_ht / sum_h' p_h't and, for inc
 
     alpha = g * ((1 - eps) * rho + eps/H + 2 * zl * lse / H),  beta = g * (1 - eps) * rho,
     gamma = g * eps / (H * V).
+
+A -inf logit (a bias masking part of the vocabulary) gives torch's values: the sweeps add 0 for it,
+a masked target's loss is inf, and so is every loss with smoothing (mean_j y_hj = -inf), gradients
+staying finite.  A target masked in every head has rho = 0/0: equal shares 1/H (one head: rho = 1).
 """
 
 from __future__ import annotations
@@ -65,12 +69,17 @@ def grad_coefficients(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(alpha [N, H], beta [N, H], gamma [N]) with the incoming per-token gradient folded in.
 
-    All three are exactly zero for invalid tokens so that the sweeps can skip nothing and still
-    contribute nothing for them (the sweeps additionally mask NaN logits of invalid tokens).
+    All three are exactly zero for invalid tokens, so that the sweeps skip nothing and still give them
+    a zero logits gradient (the sweeps additionally mask their NaN logits).  Their hidden rows still
+    enter dW through dz^T x: a NaN/inf hidden row makes dW NaN (0 * NaN), as torch's cross-entropy does.
     """
     num_heads = lse.shape[1]
     g = torch.where(valid, grad_tokens.to(lse.dtype), torch.zeros((), dtype=lse.dtype, device=lse.device))
-    rho = torch.softmax(target - lse, dim=1)  # responsibilities of the heads for the target
+    log_p_target = target - lse
+    # A target masked in every head (a -inf bias) has an infinite loss, as torch's, and 0/0
+    # responsibilities: equal shares then, which for one head is torch's gradient (p - onehot).
+    masked = torch.isneginf(log_p_target).all(dim=1, keepdim=True)
+    rho = torch.softmax(log_p_target.masked_fill(masked, 0.0), dim=1)  # responsibilities of the heads
     g = g[:, None]
     beta = g * (1.0 - label_smoothing) * rho
     alpha = beta + g * (label_smoothing / num_heads)

@@ -195,10 +195,17 @@ def _lse_sweep(pb: _Problem, need_logit_sum: bool, rank_labels=None, target=None
                 ranks[n0:n1] += _count_above(pb, y[0], target[n0:n1, 0], rank_labels[n0:n1], v0)
             m_old = m[:, n0:n1]
             m_new = torch.maximum(m_old, y.amax(dim=-1))
-            s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - m_new) + y.sub_(m_new[..., None]).exp_().sum(-1)
+            base = _finite_base(m_new)
+            s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - base) + y.sub_(base[..., None]).exp_().sum(-1)
             m[:, n0:n1] = m_new
     lse = (m + torch.log(s)).T.contiguous()
     return lse, (ysum.T.contiguous() if ysum is not None else None), ranks
+
+
+def _finite_base(m):
+    """The running maximum ``m`` as the base to subtract before exp, with -inf (every entry so far
+    masked, e.g. by a -inf bias) replaced by 0: exp(-inf - -inf) would be NaN, exp(-inf - 0) is 0."""
+    return torch.where(m == -math.inf, 0.0, m)
 
 
 def _logsumexp_heads(t, pb=None):
@@ -206,6 +213,9 @@ def _logsumexp_heads(t, pb=None):
     (overwrites ``t``; given ``pb``, the result lives in its scratch buffers)."""
     shape = t.shape[1:]
     m = t.amax(dim=0) if pb is None else torch.amax(t, 0, out=pb.scratch("max", *shape))
+    # An entry -inf in every head (a -inf bias) has m = -inf: the lowest finite value instead, in
+    # place (a block-sized temporary otherwise), keeps exp(t - m) at 0 rather than NaN; finite m unchanged.
+    m.clamp_min_(torch.finfo(m.dtype).min)
     e = t.sub_(m).exp_()
     s = e.sum(dim=0) if pb is None else torch.sum(e, 0, out=pb.scratch("sum", *shape))
     return s.log_().add_(m)
@@ -306,7 +316,8 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
                 dz[:, hit, t[hit] - v0] -= beta_t[:, n0:n1][:, hit]
             if softcap is not None:  # d(c tanh(z / c)) / dz = 1 - (y / c)^2
                 dz *= y.div_(softcap).square_().neg_().add_(1.0)
-            if any_invalid:  # invalid tokens may carry NaN logits; their gradient is exactly 0
+            if any_invalid:  # invalid tokens may carry NaN logits: their dz is exactly 0, so is their dX;
+                # a NaN/inf hidden row still makes dW NaN (0 * NaN in the matmul), as in torch
                 dz.masked_fill_(~valid[None, n0:n1, None], 0.0)
             grads.add(dz, xc, wc, lr, n0, n1)
         grads.end_chunk()
@@ -334,18 +345,26 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad
 
     d log pbar_k / d y_hj = r_hk ([k = j] - p_hj) with r_hk = p_hk / (H pbar_k), hence
     dy_hj = grad_j r_hj - p_hj S_h where S_h = sum_k grad_k r_hk (one extra sweep, H > 1 only).
+    An entry masked in every head (-inf logits, pbar_k = 0) makes r_hk 0/0; it takes equal shares
+    r_hk = 1 / H there, which for one head is torch's log_softmax gradient (dy_k = grad_k).
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     grad = grad.to(pb.cdt)
     lse_t = lse.T
     log_h = math.log(num_heads)
+    # One check up front (unmasked vocabularies pay nothing), by row minima: no [N, V] temporary, and a
+    # NaN row (amin propagates it) hides only its own -inf entries, whose gradient is NaN anyway.
+    masked = bool((logpbar.amin(dim=1) == -math.inf).any())
 
     def block_terms(wc, v0, v1, n0, n1):
         """(hidden chunk, low-rank chunk, y, log p, grad * r) of one block."""
         xc, lr = pb.hidden_chunk(n0, n1), pb.low_rank_chunk(n0, n1, v0, v1)
         y = pb.logits(xc, wc, v0, v1, lr)
         logp = torch.sub(y, lse_t[:, n0:n1, None], out=pb.scratch("logp", *y.shape))
-        gr = torch.sub(logp, log_h, out=pb.scratch("gr", *y.shape)).sub_(logpbar[None, n0:n1, v0:v1]).exp_()
+        lpbar = logpbar[None, n0:n1, v0:v1]
+        gr = torch.sub(logp, log_h, out=pb.scratch("gr", *y.shape)).sub_(lpbar).exp_()
+        if masked:  # exp(-inf - -inf) is NaN at entries masked in every head: equal shares
+            gr.masked_fill_(torch.isneginf(lpbar), 1.0 / num_heads)
         return xc, lr, y, logp, gr.mul_(grad[None, n0:n1, v0:v1])
 
     s = torch.zeros(pb.h, pb.n, dtype=pb.cdt, device=x.device)

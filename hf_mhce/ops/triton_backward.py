@@ -82,7 +82,8 @@ def _backward_kernel(
         dy -= tl.where(cols[None, :] == labels[:, None], beta[:, None], 0.0)
         if HAS_SOFTCAP:
             dy *= 1.0 - (y / softcap) * (y / softcap)
-        # Ignored rows may hold NaN logits (0 * NaN); their gradient is exactly zero.
+        # Ignored rows may hold NaN logits: their dy is exactly zero, so is their dX; a NaN/inf hidden row
+        # still makes dW NaN through 0 * NaN in the dot (as in torch) unless its whole tile was skipped.
         dy = tl.where(row_valid[:, None] & col_mask[None, :], dy, 0.0)
         if NEED_DB:
             tl.atomic_add(DB + cols, tl.sum(dy, axis=0), mask=col_mask)

@@ -71,7 +71,10 @@ def _forward_kernel(
                         HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
         y = tl.where(col_mask[None, :], y, float("-inf"))
         m_new = tl.maximum(m, tl.max(y, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new[:, None]), axis=1)
+        # 0 as the base while every entry so far is -inf (a masked vocabulary, e.g. a -inf bias, can
+        # fill whole tiles and splits): exp(-inf - -inf) would be NaN, exp(-inf - 0) is 0.
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - base) + tl.sum(tl.exp(y - base[:, None]), axis=1)
         m = m_new
         if NEED_SUM:
             y_sum += tl.sum(tl.where(col_mask[None, :], y, 0.0), axis=1)
@@ -130,7 +133,7 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
         n, v, per_split, dh, rank, x.stride(0), w.stride(0), stride_u, stride_lb,
         float(softcap) if softcap is not None else 1.0, NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **flags,
     )
-    lse = lse[0] if splits == 1 else torch.logsumexp(lse, dim=0)
+    lse = lse[0] if splits == 1 else torch.logsumexp(lse, dim=0)  # a wholly masked split's -inf adds 0
     logit_sum = (logit_sum[0] if splits == 1 else logit_sum.sum(0)) if need_logit_sum else None
     if same_pass_ranks:
         ranks = ranks[0] if splits == 1 else ranks.sum(0)

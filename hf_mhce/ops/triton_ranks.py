@@ -34,7 +34,8 @@ def _mixture_rank_kernel(
         lp = tl.load(Target + rows * NUM_HEADS + h, mask=row_mask, other=0.0) \
             - tl.load(Lse + rows * NUM_HEADS + h, mask=row_mask, other=0.0)
         new_max = tl.maximum(t_max, lp)
-        t_sum = t_sum * tl.exp(t_max - new_max) + tl.exp(lp - new_max)
+        base = tl.where(new_max == float("-inf"), 0.0, new_max)  # a target masked (-inf) in every head
+        t_sum = t_sum * tl.exp(t_max - base) + tl.exp(lp - base)
         t_max = new_max
     t_mix = t_max + tl.log(t_sum)
 
@@ -50,7 +51,8 @@ def _mixture_rank_kernel(
                             HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
             lp = y - tl.load(Lse + rows * NUM_HEADS + h, mask=row_mask, other=0.0)[:, None]
             new_max = tl.maximum(m, lp)
-            s = s * tl.exp(m - new_max) + tl.exp(lp - new_max)
+            base = tl.where(new_max == float("-inf"), 0.0, new_max)  # entries masked (-inf bias): not NaN
+            s = s * tl.exp(m - base) + tl.exp(lp - base)
             m = new_max
         mix = m + tl.log(s)
         above = (mix > t_mix[:, None]) & col_mask[None, :] & (cols[None, :] != labels[:, None])

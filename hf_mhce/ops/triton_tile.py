@@ -19,8 +19,14 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter (TRITON_INTERPRET=1)."""
+    """True when TRITON_INTERPRET=1 is set now (read on every call: tile sizes, dot order)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+# Whether the kernels run through Triton's interpreter: triton.jit decides when a kernel is defined, from
+# TRITON_INTERPRET as it is then (this module is imported first by every kernel module), and setting it
+# later switches nothing -- the compiled kernels would then fail on CPU tensors ("0 active drivers").
+KERNELS_INTERPRETED = interpreting()
 
 
 def dot_settings(dtype: torch.dtype) -> dict:

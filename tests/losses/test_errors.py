@@ -353,3 +353,36 @@ def test_autocast_bf16_logprobs(H):
         if name != "logprobs":
             assert o.dtype == torch.float32, name
         assert_no_worse_than_eager(o, e, r, torch.bfloat16, name=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# backend="triton" on CPU tensors, torch.compile(fullgraph=True)
+# ------------------------------------------------------------------------------------------------
+
+
+@R.requires_triton
+@pytest.mark.parametrize("kernels,env,why", [(False, "1", "set after"), (True, "0", "not set now"),
+                                             (False, "0", "first imported$")])
+def test_triton_on_cpu_needs_the_interpreter_from_import(kernels, env, why, monkeypatch):
+    """triton.jit picks interpreted or compiled kernels when they are defined: TRITON_INTERPRET set
+    later must give the library's message, not Triton's "0 active drivers" from a compiled kernel."""
+    from hf_mhce.ops import triton_tile
+
+    monkeypatch.setattr(triton_tile, "KERNELS_INTERPRETED", kernels)
+    monkeypatch.setenv("TRITON_INTERPRET", env)
+    hidden, weight, _, labels = _ok_inputs()
+    with pytest.raises(ValueError, match=f"needs CUDA tensors.*TRITON_INTERPRET=1 before.*{why}"):
+        lce(hidden, weight, labels, backend="triton")
+
+
+def test_compile_fullgraph_says_why():
+    """The loss is opaque to torch.compile (its sweeps run as they are): fullgraph=True cannot hold
+    it, and dynamo's error carries the library's reason where torch accepts one."""
+    import inspect
+
+    hidden, weight, _, labels = _ok_inputs()
+    f = torch.compile(lambda h: lce(torch.relu(h), weight, labels, backend="torch"), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="torch.compiler.disable") as err:
+        f(hidden)
+    if "reason" in inspect.signature(torch.compiler.disable).parameters:
+        assert "outside torch.compile's graph" in str(err.value) and "fullgraph=False" in str(err.value)

@@ -4,6 +4,7 @@ rank = number of entries j != t whose probability is strictly above the target's
 mixture for several heads); ties count in the target's favour.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -136,3 +137,33 @@ def test_ranks_ignore_invalid_and_match_softcap(backend):
     expected = brute_force_ranks(x, w, None, labels, 1)
     valid = ops_labels >= 0
     assert torch.equal(stats.ranks[valid], expected[valid])
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # interpreter: log(0)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads", [1, 2])
+def test_ranks_with_masked_vocabulary(backend, heads, monkeypatch):
+    """A -inf bias on a leading block wider than a torch chunk / Triton tile and split (plus scattered
+    columns): masked entries never rank above the target, and a masked target ranks below every
+    allowed entry (its mixture log-probability is -inf, not NaN)."""
+    g = torch.Generator().manual_seed(5 + heads)
+    n, v, d = 21, 101, 32
+    x = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) / math.sqrt(d)
+    bias = torch.randn(v, generator=g)
+    bias[:70] = -math.inf
+    bias[[75, 88]] = -math.inf
+    labels = torch.randint(70, v, (n,), generator=g)
+    labels[[1, 2, 9]] = torch.tensor([3, 69, 88])
+    monkeypatch.setenv("HF_MHCE_CHUNK_MB", "0.01")  # torch: 4-8 column chunks
+    if backend == "triton":
+        from hf_mhce.ops.triton_tile import override_tiles
+
+        ctx = override_tiles("forward", SPLITS=2)  # 64-column splits: the first wholly masked
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        stats = _forward_stats(backend)(x, w, bias, labels, heads, None, False, need_ranks=True)
+    expected = brute_force_ranks(x, w, bias, labels, heads)
+    assert torch.equal(stats.ranks, expected)
+    assert (expected[[1, 2, 9]] == int(torch.isfinite(bias).sum())).all()

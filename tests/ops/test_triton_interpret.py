@@ -173,3 +173,40 @@ def test_triton_errors_still_validated():
     labels[2] = 777
     with pytest.raises(ValueError, match="777"):
         lce(hidden, weight, labels, backend="triton")
+
+
+def _masked_vocab_inputs(H):
+    """A -inf bias on columns 0..39 and 64..97 of V = 101 (32-column tiles): the first tile wholly
+    masked; with 2 vocabulary splits (64 columns) each split starts with a wholly masked tile, with 4
+    (32) splits 0 and 2 are wholly masked.  Two targets are masked, one token is ignored."""
+    hidden, weight, b, _ = make_inputs((21,), 32, 101, bias=True, num_heads=H, logit_std=2.5)
+    b[:40] = float("-inf")
+    b[64:98] = float("-inf")
+    allowed = torch.isfinite(b).nonzero()[:, 0]
+    labels = allowed[torch.randint(0, allowed.numel(), (21,))]
+    labels[2], labels[3], labels[11] = 5, 70, -100
+    return hidden, weight, b, labels
+
+
+# The interpreter's numpy warns on log(0), the partial logsumexp of a wholly masked split (-inf, as on a GPU)
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")
+@pytest.mark.parametrize("H,splits,opts", [
+    (1, 1, {}), (1, 2, dict(label_smoothing=0.1, z_loss=1e-3)), (1, 4, {}),
+    (2, 1, dict(z_loss=1e-3)), (2, 4, dict(label_smoothing=0.1)),
+])
+def test_masked_vocabulary(H, splits, opts):
+    """Torch's values (inf for a masked target or with label smoothing, finite gradients), not NaN:
+    the online logsumexp of a tile or split that starts wholly masked, and the merge of the splits."""
+    from hf_mhce.ops.triton_tile import override_tiles
+
+    hidden, weight, b, labels = _masked_vocab_inputs(H)
+    g = torch.randn(21)
+    with override_tiles("forward", SPLITS=splits):
+        ours = run_with_grads(mhce, hidden, weight, labels, H, bias=b, grad_out=g, backend="triton",
+                              reduction="none", **opts)
+    ref = run_with_grads(R.masked_vocab_loss, hidden, weight, labels, H, bias=b, grad_out=g.double(),
+                         dtype=torch.float64, **opts)
+    R.assert_same_nonfinite(ours[0], ref[0], name="loss", rtol=1e-5, atol=1e-6)
+    assert ours[0][2:4].isinf().all()
+    for name, o, r in zip(["d_hidden", "d_weight", "d_bias"], ours[1:], ref[1:]):
+        assert_close_scaled(o, r, rtol=1e-5, atol=1e-6, name=name)
