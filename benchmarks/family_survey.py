@@ -47,8 +47,12 @@ class _Timeout(Exception):
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).split(". hf_mhce.apply_patch supports")[0].strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:160] if text else ''}"
+    text = str(err).split(". hf_mhce.apply_patch supports")[0].strip()
+    _, probed, why = text.partition(" and the generic forward does not reproduce its logits and loss: ")
+    if probed:  # the probe's finding, not the sentence around it
+        text = f"the probe: {why}"
+    lines = text.splitlines()
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def check(model_type: str) -> dict:

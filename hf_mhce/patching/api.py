@@ -13,7 +13,7 @@ from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_confi
 from .families import FAMILIES, LogitFacts, UnsupportedModelError, check_loss_function, check_structure, model_type, unsupported
 from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, mirrored_signature
 from .head import UnsupportedHeadError, resolve_head
-from .methods import bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
+from .methods import accelerate_autocast, bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
 from .methods import unwrap as _unwrap
 from .probe import foreign_forward, foreign_params, original_forward, verify
 
@@ -54,6 +54,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             attr=attr, original=target.__dict__.get(attr, ABSENT),
             original_config=saved if saved is not None else ABSENT,
             original_accepts=target.__dict__.get(_ACCEPTS, ABSENT), router=router, foreign=foreign,
+            autocast=accelerate_autocast(target.__dict__.get(attr)) if attr == "forward" else None,
         )
         target.__dict__[STATE_ATTR] = state
         bind_forward(target)
@@ -222,10 +223,11 @@ def _facts(model, out_cls, router, state) -> tuple[LogitFacts, dict]:
         raise unsupported(model, f"{head} and the generic forward does not reproduce its logits and loss: {why}")
     if foreign is None:
         return facts, {}
-    warnings.warn(
-        f"hf_mhce: {foreign}; the fused forward replaces it. A check on a few tokens found the same logits and "
-        "loss, but what that forward does only in training, on longer inputs or later (a loss term that is zero "
-        "now) will not happen. Call apply_patch again after changing what its output depends on.",
-        stacklevel=3,
-    )
+    if state is None:  # once per patch, not on each apply_patch that updates its options
+        warnings.warn(
+            f"hf_mhce: {foreign}; the fused forward replaces it. A check on a few tokens found the same logits and "
+            "loss, but what that forward does only in training, on longer inputs or later (a loss term that is zero "
+            "now) will not happen. Call apply_patch again after changing what its output depends on.",
+            stacklevel=3,
+        )
     return facts, foreign_params(model, forward)

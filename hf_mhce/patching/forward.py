@@ -56,6 +56,7 @@ class PatchState:
     warned_adapter_save: bool = False
     router: RouterFacts | None = None  # a mixture of experts' load-balancing loss (routers.py)
     foreign: dict = field(default_factory=dict)  # a replaced forward's own options: {name: default} (probe.py)
+    autocast: object = None  # accelerate's mixed-precision autocast the forward ran under (methods.py)
 
 
 class _Absent:

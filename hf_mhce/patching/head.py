@@ -135,11 +135,12 @@ def run_head_hooks(head: nn.Module, hidden: torch.Tensor | None) -> None:
             continue  # called through (sharding.py): its hooks run around our loss
         where = f"the LM head{f' (its submodule {name!r})' if name else ''}"
         post = [h for h in module._forward_hooks.values() if not _framework_hook(h)]
+        post += [*module._backward_hooks.values(), *module._backward_pre_hooks.values(), *_accelerate_hooks(module)]
         if post:
             raise UnsupportedHeadError(
-                f"{where} has forward hooks {post}: the fused loss never builds the head's output (the logits), so "
-                "they could not see it. Remove them (torch.nn.utils.parametrize works for reparametrized "
-                "weights), or hf_mhce.unpatch(model)"
+                f"{where} has hooks {post} around its output or its gradient: the fused loss never builds the "
+                "head's output (the logits), so they could not see it. Remove them (torch.nn.utils.parametrize "
+                "works for reparametrized weights), or hf_mhce.unpatch(model)"
             )
         for hook_id, hook in list(module._forward_pre_hooks.items()):
             if hidden is None or _framework_hook(hook) or _adapter_names(hook) is not None:
@@ -156,6 +157,19 @@ def run_head_hooks(head: nn.Module, hidden: torch.Tensor | None) -> None:
                     f"{where} has a forward pre-hook {hook!r} that changes the head's input; the fused loss "
                     "feeds the hidden state to the head's weight directly. Remove it, or hf_mhce.unpatch(model)"
                 )
+
+
+def _accelerate_hooks(module: nn.Module) -> list:
+    """accelerate ModelHooks on the module (``add_hook_to_module``: they replace its forward) that change
+    its inputs or output; its device and offload hooks are followed (sharding.py) and pass."""
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    from accelerate.hooks import AlignDevicesHook, CpuOffload, ModelHook
+
+    hooks = getattr(hook, "hooks", None) or [hook]  # a SequentialHook holds several
+    return [h for h in hooks if not isinstance(h, (AlignDevicesHook, CpuOffload))
+            and (type(h).pre_forward is not ModelHook.pre_forward or type(h).post_forward is not ModelHook.post_forward)]
 
 
 def _framework_hook(hook) -> bool:

@@ -46,9 +46,32 @@ class PatchBypassedError(RuntimeError):
 
 
 def bind_forward(model: nn.Module) -> None:
-    """Put the patched forward where the model's patch state says (``forward`` or ``_old_forward``)."""
+    """Put the patched forward where the model's patch state says (``forward`` or ``_old_forward``),
+    inside the autocast of accelerate's mixed-precision wrapper where the patch replaced one."""
     state = model.__dict__[STATE_ATTR]
-    model.__dict__[state.attr] = types.MethodType(make_forward(state.signature, type(model)), model)
+    fn = make_forward(state.signature, type(model))
+    if state.autocast is not None and state.attr == "forward":
+        from accelerate.utils.operations import convert_outputs_to_fp32
+
+        fn = convert_outputs_to_fp32(state.autocast(fn))  # as Accelerator.prepare_model builds it
+        fn.hf_mhce_patched = True
+    model.__dict__[state.attr] = types.MethodType(fn, model)
+
+
+def accelerate_autocast(forward):
+    """The torch.autocast that accelerate's mixed-precision wrapper runs the model's forward under
+    (``Accelerator.prepare`` with mixed_precision, as a Trainer with bf16=True does at its first
+    evaluate or train), or None if ``forward`` is not that wrapper.  The patch goes inside it: replacing
+    it would silently drop autocast for the rest of the run."""
+    import torch
+
+    fn = getattr(forward, "__func__", None)
+    if getattr(fn, "__module__", None) != "accelerate.utils.operations" or getattr(fn, "hf_mhce_patched", False):
+        return None
+    inner = getattr(getattr(fn, "__wrapped__", None), "model_forward", None)  # ConvertOutputsToFp32's
+    inner = getattr(inner, "__func__", inner)
+    cells = getattr(inner, "__closure__", None) or ()
+    return next((c.cell_contents for c in cells if isinstance(c.cell_contents, torch.autocast)), None)
 
 
 def forward_attr(model: nn.Module) -> str:

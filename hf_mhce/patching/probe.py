@@ -24,11 +24,15 @@ from transformers.utils.generic import TransformersKwargs
 
 from .families import decoder_of, defined_in_transformers, model_type, probe_inputs, stock_forward, unsupported
 from .forward import _LOSS_KWARGS, ABSENT, PatchState, generic_forward
-from .methods import forward_attr
+from .methods import accelerate_autocast, forward_attr
 
 # Arguments the generic forward consumes itself (never the decoder's).
 _CONSUMED = {"labels", "return_dict", "logits_to_keep", "return_logits", "skip_logits", "output_router_logits",
              *_LOSS_KWARGS}
+
+
+# Arguments of transformers 4.x forwards that subclasses written then name and hand on to the decoder.
+_HANDED_ON = {"cache_position"}
 
 
 def original_forward(model: nn.Module, state=None):
@@ -36,7 +40,11 @@ def original_forward(model: nn.Module, state=None):
     the patch goes: ``forward``, or ``_old_forward`` under an accelerate hook; recorded in ``state``
     once patched), else the class's forward, bound."""
     original = model.__dict__.get(forward_attr(model), ABSENT) if state is None else state.original
-    if original is ABSENT or getattr(original, "__func__", None) is type(model).forward:
+    if accelerate_autocast(original) is not None:  # accelerate's mixed precision: the forward inside it
+        original = model.__dict__.get("_original_forward", ABSENT)
+    func = getattr(original, "__func__", None)
+    func = getattr(func, "__func__", func)  # accelerate's unwrap_model rebinds the bound method itself
+    if original is ABSENT or func is type(model).forward:
         return types.MethodType(type(model).forward, model)
     return original
 
@@ -45,7 +53,8 @@ def foreign_forward(model: nn.Module, forward) -> str | None:
     """Why ``forward`` (from ``original_forward``) is not transformers' own, or None if it is."""
     cls = type(model)
     if getattr(forward, "__func__", None) is not cls.forward:
-        return f"the instance's forward was replaced by {getattr(forward, '__qualname__', forward)!r}"
+        name = getattr(forward, "__qualname__", None) or type(forward).__qualname__  # never a repr of the model
+        return f"the instance's forward was replaced by {name!r}"
     if not defined_in_transformers(cls):
         owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
         return f"{owner.__qualname__}.forward is defined outside transformers (in {owner.__module__})"
@@ -56,7 +65,7 @@ def foreign_params(model: nn.Module, forward) -> dict:
     """{name: default} of ``forward``'s parameters that neither transformers' forward it extends, nor
     the decoder, nor the generic forward itself knows: a subclass's own options (``temperature=1.0``),
     which the fused forward cannot apply."""
-    known = set(_CONSUMED) | set(TransformersKwargs.__annotations__)
+    known = set(_CONSUMED) | set(TransformersKwargs.__annotations__) | _HANDED_ON
     for fn in (stock_forward(type(model)), decoder_of(model).forward):
         if fn is not None:
             known |= set(inspect.signature(fn).parameters)

@@ -18,7 +18,7 @@ def test_survey_records_each_outcome(tmp_path):
     assert results["gpt2"]["status"] == "patched"
     assert results["mixtral"] == {"status": "patched", "detail": results["mixtral"]["detail"]}
     assert "(MoE, router loss)" in results["mixtral"]["detail"]
-    assert results["bert"]["status"] == "refused" and "does not reproduce its logits" in results["bert"]["detail"]
+    assert results["bert"]["status"] == "refused" and "the probe: with labels, its logits differ" in results["bert"]["detail"]
     assert "MISMATCH: 0 | patched: 2 | refused: 1" in record.with_suffix(".md").read_text()
 
 

@@ -98,7 +98,7 @@ def test_forward_hook_on_head_is_refused(loss):
     heads = 2 if loss == "mhce" else 1
     ref = make_model("llama")
     ref.lm_head.register_forward_hook(ban_token_7)
-    with pytest.raises(UnsupportedModelError, match="forward hooks .*ban_token_7.*never builds the head's output"):
+    with pytest.raises(UnsupportedModelError, match="hooks .*ban_token_7.*never builds the head's output"):
         hf_mhce.apply_patch(twin(ref), loss=loss, num_heads=heads)
     model = hf_mhce.apply_patch(make_model("llama"), loss=loss, num_heads=heads)
     handle = model.lm_head.register_forward_hook(ban_token_7)  # added after the patch: refused at the forward
@@ -195,3 +195,21 @@ def test_labels_of_another_shape_are_named():
         model(input_ids=ids, labels=labels[0])
     with pytest.raises(ValueError, match=r"shift_labels has shape \(1, 11\)"):
         model(input_ids=ids, labels=labels, shift_labels=labels[:, 1:])
+
+
+def test_backward_hooks_and_accelerate_hooks_on_the_head_are_refused():
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Scale(ModelHook):
+        def post_forward(self, module, output):
+            return output * 2
+
+    model = hf_mhce.apply_patch(make_model("llama"))
+    ids, labels = batch()
+    handle = model.lm_head.register_full_backward_hook(lambda m, grad_in, grad_out: None)
+    with pytest.raises(UnsupportedHeadError, match="around its output or its gradient"):
+        model(input_ids=ids, labels=labels)
+    handle.remove()
+    add_hook_to_module(model.lm_head, Scale())  # replaces lm_head.forward: no torch hook dictionary shows it
+    with pytest.raises(UnsupportedHeadError, match="Scale"):
+        model(input_ids=ids, labels=labels)

@@ -221,3 +221,50 @@ def test_a_patch_that_no_longer_holds_is_undone_when_asked_again():
     assert not is_patched(model) and "hf_mhce" not in model.config.to_dict()
     ids, _ = batch()
     assert model(input_ids=ids).logits is not None  # the class's own forward again
+
+
+class HandsOnCachePosition(LlamaForCausalLM):
+    """Written for transformers 4.x: names cache_position and hands it on."""
+
+    def forward(self, input_ids=None, labels=None, cache_position=None, **kwargs) -> CausalLMOutputWithPast:
+        return super().forward(input_ids=input_ids, labels=labels, cache_position=cache_position, **kwargs)
+
+
+def test_arguments_handed_on_are_not_refused_and_the_warning_comes_once():
+    ref = build(HandsOnCachePosition)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = hf_mhce.apply_patch(twin(ref))
+        hf_mhce.apply_patch(model, return_logits=False)  # updating options: no second warning
+    assert len([w for w in caught if FOREIGN in str(w.message)]) == 1
+    ids, labels = batch()
+    assert model(input_ids=ids, labels=labels, cache_position=torch.arange(ids.shape[1])).loss.isfinite()
+
+
+def test_a_partial_as_instance_forward_is_named_briefly():
+    model = make_model("llama")
+    model.forward = functools.partial(LlamaForCausalLM.forward, model)
+    with pytest.warns(UserWarning, match="replaced by 'partial'") as caught:
+        hf_mhce.apply_patch(model)
+    assert all(len(str(w.message)) < 500 for w in caught)  # not the repr of the model the partial holds
+
+
+def test_accelerate_mixed_precision_wrapper_keeps_its_autocast():
+    """A Trainer(bf16=True) wraps the forward in accelerate's autocast at its first evaluate: patching
+    afterwards goes inside that wrapper (replacing it dropped autocast for the rest of the run)."""
+    from accelerate import Accelerator
+
+    ref, model = (Accelerator(mixed_precision="bf16", cpu=True).prepare(make_model("llama")) for _ in range(2))
+    wrapper = model.forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # transformers' own forward inside: no probe warning
+        hf_mhce.apply_patch(model)
+    seen = []
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_enabled("cpu")))
+    ids, labels = batch()
+    got, want = model(input_ids=ids, labels=labels), ref(input_ids=ids, labels=labels)
+    assert seen == [True] and got.loss.dtype == torch.float32
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-2, atol=0)
+    assert is_patched(model)
+    hf_mhce.unpatch(model)
+    assert model.forward == wrapper
