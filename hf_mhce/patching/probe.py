@@ -15,6 +15,7 @@ transformers' own is therefore patched with a warning that says so.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 
@@ -95,19 +96,19 @@ def verify(model: nn.Module, out_cls, facts, router, forward, signature, positio
         labels = ids.clone()
         labels[0, 2] = -100  # rows with different counts: a per-row mean or an ignore_index slip shows
         with torch.enable_grad():  # a forward that builds no graph (under no_grad) shows too
-            ref, ours = (f(input_ids=ids, labels=labels, **base) for f in (forward, _ours(model, state)))
-            why = _compare(ref, ours, "with labels", router)
-            if why is None and ref.loss.requires_grad != ours.loss.requires_grad:
+            ours = functools.partial(generic_forward, model, state)
+            ref, mine = forward(input_ids=ids, labels=labels, **base), ours(input_ids=ids, labels=labels, **base)
+            why = _compare(ref, mine, "with labels", router)
+            if why is None and ref.loss.requires_grad != mine.loss.requires_grad:
                 why = f"its loss {'does' if ref.loss.requires_grad else 'does not'} require grad, the fused one's not so"
-        del ref, ours
+        del ref, mine
         with torch.no_grad():
             if why is None and (takes_any or "num_items_in_batch" in accepts):  # a Trainer passes it then
                 count = torch.tensor(2 * int((labels[:, 1:] != -100).sum()), device=ids.device)
                 kw = dict(input_ids=ids, labels=labels, num_items_in_batch=count, **base)
-                why = _compare(forward(**kw), generic_forward(model, state, **kw), "given num_items_in_batch", router)
+                why = _compare(forward(**kw), ours(**kw), "given num_items_in_batch", router)
             if why is None:
-                why = _compare(forward(input_ids=ids, **base), generic_forward(model, state, input_ids=ids, **base),
-                               "without labels", router)
+                why = _compare(forward(input_ids=ids, **base), ours(input_ids=ids, **base), "without labels", router)
         return why
     except Exception as err:  # noqa: BLE001 - a forward the check cannot run is not verified
         return f"the check's forward raised {type(err).__name__}: {err}"
@@ -115,10 +116,6 @@ def verify(model: nn.Module, out_cls, facts, router, forward, signature, positio
         model.train(was_training)
         _restore_buffers(buffers)
         _remove_new_hooks(hooks)
-
-
-def _ours(model, state):
-    return lambda **kw: generic_forward(model, state, **kw)
 
 
 def _compare(ref, ours, case: str, router) -> str | None:
