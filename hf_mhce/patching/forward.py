@@ -6,7 +6,8 @@
     no labels     -> logits like HF (logits_to_keep honoured); for "mhce" the mixture log-probs
 
 The loss always covers every position (logits_to_keep only trims returned logits).  With
-return_dict=False the tuple leaves out None fields, as HF's does: (loss, past_key_values, ...).
+return_dict=False and labels the logits are built (unless return_logits=False), so the tuple keeps
+HF's positions (loss, logits, past_key_values, ...); None fields are left out, as HF's are.
 
 Everything model-specific is data: the original forward's signature (mirrored, so generate() and
 Trainer see the same parameters), its output type, and the family's logit facts.
@@ -54,6 +55,7 @@ class PatchState:
     saves_adapters: bool = False  # a PeftModel around the model was patched too (writes hf_mhce.json)
     original_accepts: object = field(default_factory=lambda: ABSENT)  # instance's accepts_loss_kwargs before
     warned_adapter_save: bool = False
+    warned_tuple_logits: bool = False
     router: RouterFacts | None = None  # a mixture of experts' load-balancing loss (routers.py)
     foreign: dict = field(default_factory=dict)  # a replaced forward's own options: {name: default} (probe.py)
     autocast: object = None  # accelerate's mixed-precision autocast the forward ran under (methods.py)
@@ -153,6 +155,9 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
                                        kwargs.get("attention_mask"))
         if loss is not None:
             loss = loss + weight * aux_loss.to(loss.device)
+    if want_logits is None and loss is not None and not return_dict:
+        want_logits = True  # HF's tuple is (loss, logits, ...): code that unpacks it by position
+        _warn_tuple_logits(state)
     if want_logits is None and loss is not None and not model.training:
         want_logits = trainer_needs_predictions()
     if loss is None or want_logits:
@@ -175,6 +180,16 @@ def _is_default(value, default) -> bool:
         return bool(value == default)
     except Exception:  # noqa: BLE001 - values that cannot be compared are not the default
         return False
+
+
+def _warn_tuple_logits(state: PatchState) -> None:
+    if not state.warned_tuple_logits:
+        state.warned_tuple_logits = True
+        warnings.warn(
+            "hf_mhce: return_dict=False with labels builds the [tokens x vocab] logits, so that the tuple keeps "
+            "transformers' positions (loss, logits, ...). Pass return_logits=False (forward keyword or apply_patch "
+            "option) to skip them; the tuple then has no logits entry, as a ModelOutput leaves out None fields.",
+            stacklevel=4)
 
 
 def _warn_adapter_save(state: PatchState) -> None:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+import warnings
 
 import torch
 
@@ -147,12 +148,19 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
         clear_previous_save(training_args.output_dir, adapter=lora_args.lora_r > 0)
     trainer.save_model(training_args.output_dir)
     tokenizer.save_pretrained(training_args.output_dir)
-    sample = (generate_sample(trainer.model, tokenizer, loss_args.sample_prompt, loss_args.sample_tokens)
-              if loss_args.sample_tokens else None)
+    sample = sample_error = None
+    if loss_args.sample_tokens:
+        try:
+            sample = generate_sample(trainer.model, tokenizer, loss_args.sample_prompt, loss_args.sample_tokens)
+        except Exception as err:  # noqa: BLE001 - the model is saved: keep the metrics, say what failed
+            sample_error = f"{type(err).__name__}: {err}"
+            warnings.warn(f"hf-mhce train: the model is trained and saved, but generating the sample failed "
+                          f"({sample_error}); metrics.json records it. --sample_tokens 0 skips the sample.")
     summary = {
         **{k: model.config.hf_mhce[k] for k in ("loss", "num_heads")},  # as patched (a PeftModel reads its base's)
         "parameters": n_params, "train_tokens": len(train_ds) * block, "train": train_output.metrics,
         "final_eval": final, "rbe_history": rbe.history, "sample": sample,
+        **({"sample_error": sample_error} if sample_error else {}),
         "wall_seconds": round(time.time() - started, 1),
     }
     if trainer.is_world_process_zero():

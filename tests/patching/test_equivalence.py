@@ -1,6 +1,7 @@
 """loss="ce": the patched model is the unpatched model (loss, every gradient, logits, generation)."""
 
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -159,8 +160,27 @@ def test_all_ignored_batch(num_items):
     assert loss.isnan() == (num_items in (None, 0))
     loss.backward()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
-    as_tuple = model(input_ids=ids, labels=ids, return_dict=False, use_cache=False)
-    assert len(as_tuple) == 1 and as_tuple[0].dim() == 0  # (loss,): logits None are left out, as in HF
+
+
+def test_tuple_output_keeps_hf_positions():
+    """return_dict=False with labels: HF's tuple is (loss, logits, past_key_values); code unpacking it
+    by position must not get the cache for the logits.  The logits are built (one warning says so and
+    how to skip them); return_logits=False leaves them out, as None fields are."""
+    ref = make_model("llama")
+    model = apply_patch(twin(ref))
+    ids, _ = batch()
+    kw = {"return_dict": False}
+    want = ref(input_ids=ids, labels=ids, **kw)
+    with pytest.warns(UserWarning, match="return_dict=False with labels builds"):
+        got = model(input_ids=ids, labels=ids, **kw)
+    assert len(got) == len(want) == 3
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per patch
+        model(input_ids=ids, labels=ids, **kw)
+        skipped = model(input_ids=ids, labels=ids, return_logits=False, use_cache=False, **kw)
+    assert len(skipped) == 1 and skipped[0].dim() == 0
 
 
 @pytest.mark.parametrize("loss", ["ce", "mhce"])

@@ -82,14 +82,24 @@ def _tiny_checkpoint(path, texts):
     return str(path)
 
 
-def test_text_file_dataset_ce_with_lora(tmp_path):
+def test_text_file_dataset_ce_with_lora(tmp_path, monkeypatch):
+    from transformers import GenerationMixin
+
+    def broken_generate(*args, **kwargs):  # e.g. a remote-code model whose cache transformers cannot build
+        raise RuntimeError("no cache for this model")
+
+    monkeypatch.setattr(GenerationMixin, "generate", broken_generate)
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"line {i}: the quick brown fox jumps over the lazy dog {i % 7}" for i in range(400)))
     base = _tiny_checkpoint(tmp_path / "base", text.read_text().splitlines())
     out_dir = tmp_path / "lora"
-    summary = hf_mhce.train.main(REDUCED + ["--model", base, "--output_dir", str(out_dir), "--dataset", str(text), "--loss", "ce",
-                                            "--lora_r", "4", "--lora_target_modules", "q_proj,v_proj,lm_head",
-                                            "--label_smoothing_factor", "0.05"])
+    with pytest.warns(UserWarning, match="generating the sample failed .RuntimeError: no cache for this model"):
+        summary = hf_mhce.train.main(REDUCED + ["--model", base, "--output_dir", str(out_dir), "--dataset", str(text),
+                                                "--loss", "ce", "--lora_r", "4", "--lora_target_modules",
+                                                "q_proj,v_proj,lm_head", "--label_smoothing_factor", "0.05"])
+    # the sample is the last step: a failure there keeps the trained model and its metrics
+    assert summary["sample"] is None and "no cache" in summary["sample_error"]
+    assert json.loads((out_dir / "metrics.json").read_text())["sample_error"] == summary["sample_error"]
     assert "eval_eval_rbe_error_entropy" in summary["final_eval"]
     assert summary["loss"] == "ce"
     saved = json.loads((out_dir / "hf_mhce.json").read_text())  # beside the adapter
