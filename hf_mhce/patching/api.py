@@ -141,7 +141,8 @@ def is_patched(model) -> bool:
 
 
 def from_pretrained(path_or_id, **kwargs):
-    """``AutoModelForCausalLM.from_pretrained`` + ``apply_patch``.
+    """``AutoModelForCausalLM.from_pretrained`` (for a vision-language checkpoint, its own class's) +
+    ``apply_patch``.
 
     A checkpoint whose config records ``hf_mhce`` gets its saved loss back; a plain checkpoint is
     patched with loss="ce".  A local PEFT adapter directory (``adapter_config.json``) is loaded
@@ -163,13 +164,33 @@ def from_pretrained(path_or_id, **kwargs):
         if saved is not None:  # what the adapter was trained with is what its outputs mean
             setattr(_unwrap(model).config, CONFIG_KEY, saved)
         return apply_patch(model, **patch_kwargs)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
+    model = _saved_class(path_or_id, kwargs).from_pretrained(path_or_id, **kwargs)
     if kwargs.get("output_loading_info"):  # (model, loading report), as transformers returns it
         model, info = model
         return apply_patch(model, **patch_kwargs), info
     return apply_patch(model, **patch_kwargs)
+
+
+def _saved_class(path_or_id, kwargs) -> type:
+    """``AutoModelForCausalLM``, or for a vision-language checkpoint the class it was saved from:
+    AutoModelForCausalLM cannot load Qwen2-VL or LLaVA, and loads Mllama as its text model alone
+    (without the images, and without the loss config, which is in the outer config)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+    from transformers.models.auto import modeling_auto
+
+    hub = {k: kwargs[k] for k in ("revision", "subfolder", "cache_dir", "token", "local_files_only") if k in kwargs}
+    try:
+        saved, _ = PretrainedConfig.get_config_dict(path_or_id, **hub)
+    except (OSError, ValueError):  # let AutoModelForCausalLM report it in its words
+        return AutoModelForCausalLM
+    multimodal = {name for mapping in ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES")
+                  for names in getattr(modeling_auto, mapping, {}).values()
+                  for name in ((names,) if isinstance(names, str) else names)}
+    architecture = (saved.get("architectures") or [None])[0]
+    if architecture in multimodal and isinstance(getattr(transformers, architecture, None), type):
+        return getattr(transformers, architecture)
+    return AutoModelForCausalLM
 
 
 def _check_not_an_adapter_parent(path: str) -> None:

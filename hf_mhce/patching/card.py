@@ -21,8 +21,8 @@ _BLOCK = re.compile(r"<!-- hf_mhce:begin.*?<!-- hf_mhce:end -->\n?", re.S)
 _MHCE_NOTE = """
 **This model predicts with a mixture of $num_heads softmaxes.** Its distribution is the uniform
 mixture of $num_heads softmaxes over contiguous slices of the final hidden state, not
-`softmax(W x)`. A plain `AutoModelForCausalLM.from_pretrained` loads the weights but computes a
-different distribution; to reproduce the trained one (generation, evaluation, perplexity), install
+`softmax(W x)`. transformers alone (`AutoModelForCausalLM.from_pretrained`, or the model's class)
+loads the weights but computes a different distribution; to reproduce the trained one (generation, evaluation, perplexity), install
 `hf-mhce` and load with:
 
 ```python

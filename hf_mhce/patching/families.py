@@ -12,6 +12,7 @@ in the table is accepted only if a one-off probe shows the generic path reproduc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import typing
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from transformers import PreTrainedModel
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
+from transformers.utils.generic import TransformersKwargs
 
 from .routers import ROUTER_FIELDS, RouterFacts, router_facts
 
@@ -82,7 +84,8 @@ FAMILIES: dict[str, LogitFacts] = {
 TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 
 # Output fields the generic forward fills: loss and logits itself, the rest from the decoder.
-PASSTHROUGH_FIELDS = ("past_key_values", "hidden_states", "attentions", "cross_attentions", "cache_params")
+PASSTHROUGH_FIELDS = ("past_key_values", "hidden_states", "attentions", "cross_attentions", "cache_params",
+                      "image_hidden_states", "video_hidden_states", "audio_hidden_states")  # the last: multimodal bases
 
 REQUIREMENT = (
     "hf_mhce.apply_patch supports the families {tested} (tested end to end), {known} (family table, "
@@ -91,7 +94,8 @@ REQUIREMENT = (
     "(model.get_decoder()(...).last_hidden_state)` (or model.model where get_decoder() returns the model itself): "
     "an nn.Linear head (optionally wrapped by PEFT LoRA or "
     "modules_to_save) applied to the decoder's last hidden state, returning a ModelOutput with only the "
-    "fields loss, logits, past_key_values, hidden_states, attentions, cross_attentions, cache_params (and, for a mixture of "
+    "fields loss, logits, past_key_values, hidden_states, attentions, cross_attentions, cache_params, "
+    "image/video/audio_hidden_states (and, for a mixture of "
     "experts, aux_loss and router_logits, with the loss adding transformers' load_balancing_loss_func)"
 )
 
@@ -117,13 +121,49 @@ def defined_in_transformers(model_class: type) -> bool:
 # model keeps it in .model while its base_model_prefix names "language_model").
 DECODER_FALLBACK_ATTR = "model"
 
+# Arguments the generic forward consumes itself; everything else goes to the decoder.
+LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
+CONSUMED_ARGS = frozenset({"labels", "return_dict", "logits_to_keep", "return_logits", "skip_logits",
+                           "output_router_logits", *LOSS_KWARGS})
+# Arguments that reach the decoder through its **kwargs: transformers' shared keyword arguments, and
+# cache_position, which 4.x-style forwards (and subclasses written then) name and hand on.
+KWARGS_ARGS = frozenset({*TransformersKwargs.__annotations__, "cache_position"})
+
 
 def decoder_of(model: nn.Module) -> nn.Module:
-    """``model.get_decoder()``, or the submodule in ``DECODER_FALLBACK_ATTR`` where that returns the model."""
+    """The module whose last hidden state feeds the head: ``model.get_decoder()`` (or the submodule in
+    ``DECODER_FALLBACK_ATTR`` where that returns the model), except for a vision-language model, whose
+    ``get_decoder()`` is the text model inside its multimodal ``base_model``: the forward runs the base,
+    which merges the images (or audio) into the text; the text model alone would silently drop them."""
     decoder = model.get_decoder()
     if decoder is model and isinstance(getattr(model, DECODER_FALLBACK_ATTR, None), nn.Module):
         return getattr(model, DECODER_FALLBACK_ATTR)
+    base = model.base_model
+    if base is not model and base is not decoder and _takes_more_inputs(type(base), type(decoder)):
+        return base
     return decoder
+
+
+@functools.lru_cache(maxsize=None)
+def named_inputs(module_class: type) -> frozenset:
+    """The arguments ``module_class.forward`` names (not those it takes through ``**kwargs``)."""
+    params = inspect.signature(module_class.forward).parameters.values()
+    return frozenset(p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+def _takes_more_inputs(base_class: type, decoder_class: type) -> bool:
+    return bool(named_inputs(base_class) - named_inputs(decoder_class) - CONSUMED_ARGS)
+
+
+def dropped_inputs(model: nn.Module, decoder: nn.Module) -> list[str]:
+    """Inputs transformers' forward of ``model`` names that the generic forward would hand to a decoder
+    whose forward does not name them (they would vanish in its ``**kwargs``, or fail)."""
+    stock = stock_forward(type(model))
+    if stock is None:
+        return []
+    names = {n for n, p in inspect.signature(stock).parameters.items()
+             if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return sorted(names - named_inputs(type(decoder)) - CONSUMED_ARGS - KWARGS_ARGS)
 
 
 def custom_loss_function(model: nn.Module):
@@ -208,6 +248,10 @@ def check_structure(model: nn.Module) -> tuple[type, nn.Module, RouterFacts | No
         raise unsupported(model, f"get_decoder() failed ({err})") from err
     if not isinstance(decoder, nn.Module) or decoder is model:
         raise unsupported(model, "get_decoder() does not return a decoder submodule")
+    dropped = dropped_inputs(model, decoder)
+    if dropped:
+        raise unsupported(model, f"its forward takes {dropped}, which {type(decoder).__name__}.forward (the module whose "
+                                 "hidden state the generic forward reads) does not name: they would be dropped")
     if model.get_output_embeddings() is None:
         raise unsupported(model, "get_output_embeddings() returns None (no LM head)")
     out_cls = output_type(type(model))

@@ -29,14 +29,12 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
 from .config import LossConfig
-from .families import LogitFacts, check_loss_function, decoder_of, logit_transform, stock_forward
+from .families import LOSS_KWARGS, LogitFacts, check_loss_function, decoder_of, logit_transform, named_inputs, stock_forward
 from .head import fused_operands, mixed_batch_adapters, resolve_head
 from .routers import RouterFacts, router_loss, wants_router_logits
 from .sharding import call_through
 
 STATE_ATTR = "_hf_mhce_patch"
-# Keywords the CausalLM forward consumes itself and must not pass to the decoder.
-_LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")
 TRAINER_IGNORE_INDEX = -100  # what transformers' Trainer assumes when it counts num_items_in_batch
 
 
@@ -139,11 +137,14 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     skip_logits = kwargs.pop("skip_logits", None)  # the Liger/Trainer spelling of the same wish
     if want_logits is None:
         want_logits = cfg.return_logits if skip_logits is None else not skip_logits
-    loss_kwargs = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
+    loss_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS if k in kwargs}
     if state.router is not None:  # an MoE forward resolves the flag and hands it to its decoder
         kwargs["output_router_logits"] = wants_router_logits(model, kwargs)
 
-    outputs = decoder_of(model)(**kwargs)
+    decoder = decoder_of(model)
+    if labels is not None and "labels" in named_inputs(type(decoder)):
+        kwargs["labels"] = labels  # Gemma-3's multimodal base builds its training attention mask from them
+    outputs = decoder(**kwargs)
     hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
 
     loss = logits = aux_loss = None
@@ -241,13 +242,13 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
     ignore_index = cfg.ignore_index if ignore_index is None else ignore_index
     _check_label_shape("labels", labels, hidden)
     _check_label_shape("shift_labels", shift_labels, hidden)
+    if num_items_in_batch is not None and ignore_index != TRAINER_IGNORE_INDEX:  # the labels as given, not our padding
+        _check_item_count_ignores(labels[..., 1:] if shift_labels is None else shift_labels, ignore_index)
     if shift_labels is None:  # tokens < n predict n; the last position predicts nothing
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(hidden.device)
-    if num_items_in_batch is not None and ignore_index != TRAINER_IGNORE_INDEX:
-        _check_item_count_ignores(shift_labels, ignore_index)
     multiply, divide, softcap = logit_transform(model, state.facts)
     scale = (multiply or 1.0) / (divide or 1.0)
     head = model.get_output_embeddings()

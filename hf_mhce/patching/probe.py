@@ -21,19 +21,11 @@ import types
 
 import torch
 from torch import nn
-from transformers.utils.generic import TransformersKwargs
 
-from .families import decoder_of, defined_in_transformers, model_type, probe_inputs, stock_forward, unsupported
-from .forward import _LOSS_KWARGS, ABSENT, PatchState, generic_forward
+from .families import (CONSUMED_ARGS, KWARGS_ARGS, decoder_of, defined_in_transformers, model_type, probe_inputs,
+                       stock_forward, unsupported)
+from .forward import ABSENT, PatchState, generic_forward
 from .methods import accelerate_autocast, forward_attr
-
-# Arguments the generic forward consumes itself (never the decoder's).
-_CONSUMED = {"labels", "return_dict", "logits_to_keep", "return_logits", "skip_logits", "output_router_logits",
-             *_LOSS_KWARGS}
-
-
-# Arguments of transformers 4.x forwards that subclasses written then name and hand on to the decoder.
-_HANDED_ON = {"cache_position"}
 
 
 def original_forward(model: nn.Module, state=None):
@@ -66,7 +58,7 @@ def foreign_params(model: nn.Module, forward) -> dict:
     """{name: default} of ``forward``'s parameters that neither transformers' forward it extends, nor
     the decoder, nor the generic forward itself knows: a subclass's own options (``temperature=1.0``),
     which the fused forward cannot apply."""
-    known = set(_CONSUMED) | set(TransformersKwargs.__annotations__) | _HANDED_ON
+    known = set(CONSUMED_ARGS | KWARGS_ARGS)
     for fn in (stock_forward(type(model)), decoder_of(model).forward):
         if fn is not None:
             known |= set(inspect.signature(fn).parameters)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from patching_models import FAMILIES, make_model, token_dataset, twin
+from patching_models import FAMILIES, batch, make_model, token_dataset, twin
 from transformers import Trainer, TrainingArguments
 
 from hf_mhce.patching import apply_patch
@@ -178,6 +178,19 @@ def test_custom_ignore_index_with_trainer(tmp_path):
     apply_patch(fresh, ignore_index=-1)  # after the Trainer read accepts_loss_kwargs
     with pytest.raises(ValueError, match="counts num_items_in_batch as labels != -100"):
         early.train()
+
+
+def test_custom_ignore_index_honours_a_count_without_ignored_labels():
+    """The refusal is for labels holding the custom ignore_index; the shift's own padding of the last
+    position is not the caller's and must not trigger it."""
+    ref = make_model("llama")
+    model = apply_patch(twin(ref), ignore_index=-1)
+    ids, _ = batch()
+    count = torch.tensor(10)
+    torch.testing.assert_close(model(input_ids=ids, labels=ids, num_items_in_batch=count).loss,
+                               ref(input_ids=ids, labels=ids, num_items_in_batch=count).loss)
+    with pytest.raises(ValueError, match="labels that hold ignore_index=-1 tokens"):
+        model(input_ids=ids, labels=ids.masked_fill(ids == ids[0, 1], -1), num_items_in_batch=count)
 
 
 def test_accepts_loss_kwargs_follows_the_patch():
