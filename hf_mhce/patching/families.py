@@ -12,6 +12,7 @@ in the table is accepted only if a one-off probe shows the generic path reproduc
 from __future__ import annotations
 
 import dataclasses
+import dis
 import functools
 import inspect
 import typing
@@ -163,7 +164,19 @@ def dropped_inputs(model: nn.Module, decoder: nn.Module) -> list[str]:
         return []
     names = {n for n, p in inspect.signature(stock).parameters.items()
              if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    return sorted(names - named_inputs(type(decoder)) - CONSUMED_ARGS - KWARGS_ARGS)
+    return sorted((names & _read_names(stock)) - named_inputs(type(decoder)) - CONSUMED_ARGS - KWARGS_ARGS)
+
+
+@functools.lru_cache(maxsize=None)
+def _read_names(forward) -> frozenset:
+    """The local names ``forward``'s body reads: a parameter it never reads (Fuyu's deprecated
+    ``image_patches``) is ignored by the original too, so the generic forward loses nothing."""
+    func = inspect.unwrap(forward)
+    names = set(func.__code__.co_cellvars)  # read by a nested function
+    for ins in dis.get_instructions(func):
+        if ins.opname.startswith(("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE")):
+            names.update(ins.argval if isinstance(ins.argval, tuple) else (ins.argval,))
+    return frozenset(names)
 
 
 def custom_loss_function(model: nn.Module):

@@ -83,9 +83,18 @@ def mllama(seed=0):
     return model, ids, images
 
 
+def fuyu(seed=0):
+    """4 image-patch placeholders, then text; pixel_values are the flattened 4x4 patches."""
+    config = T.FuyuConfig(text_config=dict(TEXT, model_type="persimmon"), image_size=8, patch_size=4, num_channels=3,
+                          image_token_id=IMAGE)
+    ids = torch.cat([torch.full((2, 4), IMAGE), _text(2, 6, seed)], 1)
+    images = dict(pixel_values=torch.randn(2, 4, 48, generator=torch.Generator().manual_seed(seed)))
+    return T.FuyuForCausalLM(config), ids, images
+
+
 def build(name, seed=0):
     torch.manual_seed(0)
-    model, ids, images = {"qwen2_vl": qwen2_vl, "llava": llava, "gemma3": gemma3, "mllama": mllama}[name](seed)
+    model, ids, images = {"qwen2_vl": qwen2_vl, "llava": llava, "gemma3": gemma3, "mllama": mllama, "fuyu": fuyu}[name](seed)
     with torch.no_grad():  # off the initial values, some of which (Gemma-3's projector: zeros) hide the image
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
@@ -99,7 +108,7 @@ def _loss_and_grads(model, **inputs):
     return out, grads(model)
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "gemma3", "mllama"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "gemma3", "mllama", "fuyu"])
 def test_images_reach_loss_gradients_and_logits(name):
     ref, ids, images = build(name)
     model = apply_patch(copy.deepcopy(ref))
@@ -112,7 +121,7 @@ def test_images_reach_loss_gradients_and_logits(name):
     largest = max(g.abs().max() for g in want_grads.values()).item()
     for n, g in want_grads.items():  # attention key biases: zero in exact arithmetic, compared as the noise they are
         torch.testing.assert_close(got_grads[n], g, rtol=1e-4, atol=1e-6 * largest, msg=lambda m: f"{n}: {m}")
-    vision = [n for n in want_grads if "vision" in n or "visual" in n]
+    vision = [n for n in want_grads if "vision" in n or "visual" in n]  # Fuyu: vision_embed_tokens
     assert vision and all(got_grads[n] is not None for n in vision)  # the vision tower trains
     if getattr(want, "image_hidden_states", None) is not None:
         torch.testing.assert_close(got.image_hidden_states, want.image_hidden_states)
