@@ -55,3 +55,16 @@ def leave_without_teardown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def finish(results: dict, out: str, distributed: bool) -> None:
+    """Rank 0 (or the only process) writes ``results`` as JSON to ``out``; a launched worker then leaves."""
+    import json
+
+    import torch.distributed as dist
+
+    if not distributed or dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    if distributed:
+        leave_without_teardown()

@@ -34,6 +34,7 @@ from transformers.training_args import ParallelMode
 from ..losses import collect_ranks
 from ..losses.collect import active_sink
 from ..patching import CONFIG_KEY, add_card_section, is_patched
+from .placement import head_vocab_size
 from .replicas import check_replicas_in_sync
 from .stats import RBEStats
 
@@ -106,8 +107,7 @@ class RBECallback(TrainerCallback):
             return
         self.close()
         self._move_first()
-        head = model.get_output_embeddings()
-        self._vocab_size = int(head.weight.shape[0]) if head is not None else int(model.config.vocab_size)
+        self._vocab_size = head_vocab_size(model)  # not head.weight's shape: ZeRO-3 empties it between calls
         self._hooks = [model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
                        model.register_forward_hook(self._post_forward, always_call=True)]
         self._model = model

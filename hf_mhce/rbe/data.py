@@ -170,9 +170,19 @@ def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int 
         return rows
     if text_column not in dataset.column_names:
         raise DataError(f"no column {text_column!r} in the dataset (columns: {dataset.column_names}); use --text-column")
+    stream = token_stream(dataset[text_column], tokenizer)
+    blocks = [stream[i:i + block_size] for i in range(0, len(stream), block_size)]
+    return [{"input_ids": b} for b in blocks if len(b) > 1]
+
+
+def token_stream(texts, tokenizer) -> list[int]:
+    """The token ids of the non-empty ``texts``, concatenated, each followed by the tokenizer's EOS
+    where it has one (a tokenizer without EOS, e.g. a WordLevel one, has None there: no separator
+    then).  Shared by both command lines (``hf-mhce rbe``, ``hf-mhce train``).  A stream of special
+    tokens only is refused: the tokenizer is not the text's."""
     stream: list[int] = []
     eos = tokenizer.eos_token_id
-    for text in dataset[text_column]:
+    for text in texts:
         if text:
             stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
             if eos is not None:
@@ -182,8 +192,7 @@ def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int 
         raise DataError(f"the tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) turns the text into "
                         f"special tokens only ({len(stream)} of them): it is not this text's (or the model's) "
                         "tokenizer; pass the model's with --tokenizer")
-    blocks = [stream[i:i + block_size] for i in range(0, len(stream), block_size)]
-    return [{"input_ids": b} for b in blocks if len(b) > 1]
+    return stream
 
 
 def load_tokenizer(tokenizer: str | None, model: str, trust_remote_code: bool = False):

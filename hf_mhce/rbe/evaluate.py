@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,9 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from ..losses import collect_ranks
-from ..patching import apply_patch, is_patched, unpatch
+from ..patching import CONFIG_KEY, apply_patch, is_patched, unpatch
+from ..patching.methods import unwrap
+from .placement import head_vocab_size, input_device
 from .stats import RBEDecomposition, RBEStats
 
 
@@ -51,14 +54,14 @@ def _as_row(row) -> Mapping:
     return {"input_ids": row}
 
 
-def pad_collate(rows: list, pad_id: int = 0) -> dict:
-    """Right-pad ``input_ids`` (and ``labels``, with -100) of variable-length rows: dicts with
-    ``input_ids`` (optionally ``labels`` and ``attention_mask``; without labels, the masked positions
-    are no targets), or bare sequences of token ids."""
+def pad_collate(rows: list, pad_id: int = 0, ignore_index: int = -100) -> dict:
+    """Right-pad ``input_ids`` (and ``labels``, with ``ignore_index``: the model's) of variable-length
+    rows: dicts with ``input_ids`` (optionally ``labels`` and ``attention_mask``; without labels, the
+    masked positions are no targets), or bare sequences of token ids."""
     rows = [_as_row(r) for r in rows]
     longest = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    labels = torch.full((len(rows), longest), ignore_index, dtype=torch.long)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
@@ -66,7 +69,7 @@ def pad_collate(rows: list, pad_id: int = 0) -> dict:
         # a row's own mask (e.g. tokenizer(..., padding="max_length")) keeps its padding out of the targets
         mask[i, :n] = torch.as_tensor(r["attention_mask"]) if r.get("attention_mask") is not None else 1
         own = r.get("labels")
-        labels[i, :n] = torch.as_tensor(own) if own is not None else ids[i, :n].masked_fill(mask[i, :n] == 0, -100)
+        labels[i, :n] = torch.as_tensor(own) if own is not None else ids[i, :n].masked_fill(mask[i, :n] == 0, ignore_index)
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
@@ -98,21 +101,27 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     statistics are summed over the processes.  A DistributedSampler pads a set whose size is not
     a multiple of the number of processes with repeated rows, which are then counted twice
     (a warning says so).
+    device: where the batches go; default: where the model's input embedding runs.  Padding and
+    attention-masked positions get the label the model is patched to ignore (``ignore_index``).
     """
-    loader = data if isinstance(data, DataLoader) else DataLoader(data, batch_size=batch_size, collate_fn=pad_collate)
+    loader = data if isinstance(data, DataLoader) else None
     sampler = getattr(loader, "sampler", None)
     if isinstance(sampler, DistributedSampler) and not sampler.drop_last and sampler.total_size != len(sampler.dataset):
         warnings.warn(f"the DistributedSampler pads {len(sampler.dataset)} rows to {sampler.total_size} with repeated "
                       "rows, which the RBE statistics count twice", stacklevel=2)
     if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
         model = model.module  # a forward without gradient needs neither wrapper (and DataParallel's threads race the sink)
-    head = model.get_output_embeddings()
-    device = torch.device(device) if device is not None else head.weight.device
-    stats = RBEStats(head.weight.shape[0])
+    # not the head's weight, which ZeRO-3 empties and accelerate's offloading leaves on the meta device
+    device = torch.device(device) if device is not None else input_device(model)
+    stats = RBEStats(head_vocab_size(model))
     was_training = model.training
     model.eval()
     try:
         with _patched_for_eval(model), torch.no_grad(), collect_ranks(lambda r, l: stats.add(r, l)):
+            ignore_index = getattr(unwrap(model).config, CONFIG_KEY).get("ignore_index", -100)  # as patched now
+            if loader is None:
+                loader = DataLoader(data, batch_size=batch_size,
+                                    collate_fn=functools.partial(pad_collate, ignore_index=ignore_index))
             batches = loader
             if progress:
                 from tqdm.auto import tqdm
@@ -125,7 +134,7 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
                 if "labels" not in batch:  # every real token is a target; padding (attention_mask 0) is not
                     mask = batch.get("attention_mask")
                     ids = batch["input_ids"]
-                    batch["labels"] = ids if mask is None else ids.masked_fill(mask == 0, -100)
+                    batch["labels"] = ids if mask is None else ids.masked_fill(mask == 0, ignore_index)
                 model(**batch)
     finally:
         model.train(was_training)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .placement import collective_device
+
 
 _PIECE = 1 << 22  # elements per float64 piece: 32 MB
 
@@ -44,7 +46,7 @@ def check_replicas_in_sync(model: nn.Module, rtol: float = 1e-9) -> None:
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         return  # FSDP1 keeps a different shard on every process
     local = parameter_checksum(model)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     gathered = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local.to(device))
     values = torch.stack(gathered)

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .placement import collective_device
+
 
 class RBEStats:
     """Per-rank token counts and NLL sums over a vocabulary of ``vocab_size`` entries."""
@@ -60,8 +62,12 @@ class RBEStats:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(self.counts, group=group)
-            dist.all_reduce(self.nll_sums, group=group)
+            device = collective_device(group)  # NCCL reduces CUDA tensors only: there and back
+            for tensor in (self.counts, self.nll_sums):
+                moved = tensor.to(device)
+                dist.all_reduce(moved, group=group)
+                if moved is not tensor:
+                    tensor.copy_(moved)
         return self
 
     def reset(self) -> None:

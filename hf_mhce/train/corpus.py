@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import inspect
 
+from ..rbe.data import token_stream
+
 EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS]  # added to the BPE beside its 256 byte tokens
 _CODE_MODULES = ("textwrap", "string", "json.decoder", "json.encoder", "shlex", "fnmatch")
@@ -47,12 +49,9 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
 
 
 def token_blocks(texts: list[str], tokenizer, block_size: int, max_blocks: int | None = None) -> list[list[int]]:
-    """Texts joined with EOS and cut into full blocks of ``block_size`` tokens (the tail is dropped)."""
-    stream: list[int] = []
-    for text in texts:
-        if text:
-            stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-            stream.append(tokenizer.eos_token_id)
+    """Texts joined with EOS (rbe.data.token_stream) and cut into full blocks of ``block_size`` tokens
+    (the tail is dropped)."""
+    stream = token_stream(texts, tokenizer)
     blocks = [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
     return blocks[:max_blocks] if max_blocks is not None else blocks
 

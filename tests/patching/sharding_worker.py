@@ -18,7 +18,6 @@ Usage: sharding_worker.py OUT_JSON
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -122,13 +121,9 @@ def main(out: str) -> None:
     results = {}
     for case in CASES if distributed else ["unpatched", *CASES[:-1]]:
         results[case] = step(case, distributed)
-    if not distributed or dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    if distributed:
-        from launch_helpers import leave_without_teardown
+    from launch_helpers import finish
 
-        leave_without_teardown()
+    finish(results, out, distributed)
 
 
 if __name__ == "__main__":

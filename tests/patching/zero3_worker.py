@@ -14,7 +14,6 @@ Usage: zero3_worker.py OUT_JSON
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -22,7 +21,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from launch_helpers import leave_without_teardown  # noqa: E402
+from launch_helpers import finish  # noqa: E402
 from sharding_worker import ROWS, build, global_batch, loss_options  # noqa: E402
 
 CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce"]
@@ -71,12 +70,7 @@ def main(out: str) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    results = {case: step(case, distributed) for case in CASES}
-    if not distributed or torch.distributed.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f)
-    if distributed:
-        leave_without_teardown()
+    finish({case: step(case, distributed) for case in CASES}, out, distributed)
 
 
 if __name__ == "__main__":

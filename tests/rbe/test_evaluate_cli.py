@@ -129,6 +129,28 @@ def test_evaluate_warns_on_padding_distributed_sampler():
         evaluate(model, DataLoader(rows, batch_size=2, sampler=padded, collate_fn=pad_collate))
 
 
+def test_padding_takes_the_models_ignore_index():
+    """Padded labels and attention-masked positions get the label the model ignores: -100 was written
+    whatever the patch said ("label -100 is outside the vocabulary" with ignore_index=-1)."""
+    from hf_mhce.patching import LossConfig
+
+    rows = [r["input_ids"] for r in ragged_rows(5, seed=9)]  # bare token ids of different lengths
+    reference = evaluate(apply_patch(tiny_gpt2(seed=5)), rows, batch_size=5).as_dict()
+    model = apply_patch(tiny_gpt2(seed=5), ignore_index=-1)
+    assert evaluate(model, rows, batch_size=5).as_dict() == pytest.approx(reference, rel=1e-12)
+
+    def without_labels(batch):
+        out = pad_collate(batch, pad_id=7)
+        return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"]}
+
+    loader = DataLoader(rows, batch_size=5, collate_fn=without_labels)
+    assert evaluate(model, loader).as_dict() == pytest.approx(reference, rel=1e-12)
+    unpatched = tiny_gpt2(seed=5)  # patched for the evaluation with the ignore_index its config records
+    setattr(unpatched.config, CONFIG_KEY, LossConfig(ignore_index=-1).to_saved())
+    assert evaluate(unpatched, rows, batch_size=5).as_dict() == pytest.approx(reference, rel=1e-12)
+    assert (pad_collate(rows, ignore_index=-1)["labels"] == -1).sum() == sum(max(map(len, rows)) - len(r) for r in rows)
+
+
 # -- command line -------------------------------------------------------------------------------
 
 TEXT = """the cat sat on the mat

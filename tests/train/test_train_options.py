@@ -68,6 +68,44 @@ def test_resume_and_epochs_take_effect(plain, tmp_path):
     assert args.max_steps == 600
 
 
+def test_abbreviated_options_are_refused_not_half_applied(capsys):
+    """argparse took --num_train_epoch for --num_train_epochs, but parse() looked for the name as written:
+    the run trained 600 steps instead of the epochs asked for, silently."""
+    for argv in (["--num_train_epoch", "2"], ["--num_train_e=2"]):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert "unrecognized arguments: " + " ".join(argv) in capsys.readouterr().err
+    for argv in (["--num-train-epochs", "2"], ["--num_train_epochs=2"]):  # written out in full, either spelling
+        *_, args = parse(argv)
+        assert (args.max_steps, args.num_train_epochs) == (-1, 2)
+
+
+def test_a_tokenizer_without_eos_trains(tmp_path):
+    """--tokenizer without an EOS token (a WordLevel one): its None id went between the texts and the
+    data collator failed on it; the texts are joined as `hf-mhce rbe` joins them (no separator)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = "line the quick brown fox jumps over lazy dog".split()
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    assert tok.eos_token_id is None
+    ckpt = tmp_path / "ckpt"
+    tok.save_pretrained(ckpt)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=4)).save_pretrained(ckpt)
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join("line the quick brown fox jumps over the lazy dog" for _ in range(300)))
+    summary = _run(tmp_path / "o", "--model", str(ckpt), "--dataset", str(text))
+    assert summary["final_eval"]["eval_eval_rbe_num_tokens"] > 0 and summary["sample"] is not None
+    from hf_mhce.rbe.data import token_stream
+    from hf_mhce.train.corpus import token_blocks
+
+    texts = ["fox dog", "the fox"]
+    assert token_stream(texts, tok) == [5, 9, 2, 5] and token_blocks(texts, tok, 2) == [[5, 9], [2, 5]]
+
+
 def test_a_used_output_dir_is_not_mixed_into(plain, tmp_path):
     """A LoRA run, then a full run into the same directory: the old adapter, its hf_mhce.json and its
     PEFT card stayed, and from_pretrained of the directory loaded the old adapter."""
