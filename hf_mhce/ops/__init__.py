@@ -7,7 +7,8 @@ implementations with the same signatures:
 - ``triton_forward`` / ``triton_backward``: Triton kernels for CUDA (or CPU under
   ``TRITON_INTERPRET=1``), imported lazily because triton is optional.
 
-``mixture`` turns the per-head statistics into losses and gradient coefficients.
+``mixture`` turns the per-head statistics into losses and gradient coefficients; ``budget`` reads the
+memory budgets (``HF_MHCE_CHUNK_MB``, ``HF_MHCE_WORKSPACE_MB``) for both.
 Conventions: hidden [N, D] and weight [V, D] contiguous, labels [N] int64 with -1 for ignored
 tokens, per-head statistics [N, H] in the compute dtype (float32; float64 on the torch path for
 float64 inputs).  An optional ``low_rank`` pair (U [N, H, R], B [V, R]), contiguous and in hidden's

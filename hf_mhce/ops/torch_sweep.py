@@ -5,7 +5,7 @@ The block shape follows a memory budget, ``HF_MHCE_CHUNK_MB`` (default 64 MB), w
 temporary of a block: the logits block and its three elementwise companions, the weight columns
 upcast to the compute dtype and, in the backward, their gradient accumulator.  Outside the budget
 the sweeps keep O(N * H) statistics, plus (backward) a compute-dtype dX buffer when hidden is not
-already in the compute dtype.
+already in the compute dtype (otherwise that buffer is the returned dX).
 
 Block-sized temporaries live in buffers reused across the blocks of a sweep (``_Problem.scratch``),
 with in-place elementwise steps: a fresh [H, rows, cols] tensor per block is large enough that
@@ -23,10 +23,11 @@ of the weight, and with dW of a frozen base weight skipped (see ``backward``'s `
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple
 
 import torch
+
+from .budget import megabytes_env
 
 DEFAULT_CHUNK_MB = 64.0
 _MAX_COLS = 4096
@@ -34,14 +35,7 @@ _MAX_COLS = 4096
 
 def chunk_bytes() -> int:
     """Memory budget of one block in bytes, from ``HF_MHCE_CHUNK_MB`` (read on every call)."""
-    raw = os.environ.get("HF_MHCE_CHUNK_MB", "")
-    try:
-        mb = float(raw) if raw else DEFAULT_CHUNK_MB
-    except ValueError:
-        raise ValueError(f"HF_MHCE_CHUNK_MB must be a number of megabytes, got {raw!r}") from None
-    if not mb > 0:
-        raise ValueError(f"HF_MHCE_CHUNK_MB must be positive, got {raw!r}")
-    return int(mb * 2**20)
+    return megabytes_env("HF_MHCE_CHUNK_MB", DEFAULT_CHUNK_MB)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -246,7 +240,9 @@ class _Grads:
         dev, cdt = pb.x.device, pb.cdt
         self.need_dx, self.need_dw, self.need_db = needs[:3]
         self.need_du, self.need_dlb = needs[3:] if pb.u is not None else (False, False)
-        self.dx = torch.zeros(pb.h, pb.n, pb.dh, dtype=cdt, device=dev) if self.need_dx else None
+        # [N, H, Dh], hidden's layout: for hidden in the compute dtype this buffer is dX itself (no
+        # [H, N, Dh] -> [N, D] copy); the blocks add into its per-head view.
+        self.dx = torch.zeros(pb.n, pb.h, pb.dh, dtype=cdt, device=dev) if self.need_dx else None
         self.dw = torch.empty_like(pb.w) if self.need_dw else None
         self.db = torch.zeros(pb.v, dtype=cdt, device=dev) if self.need_db else None
         self.du = torch.zeros(pb.u.shape, dtype=cdt, device=dev) if self.need_du else None  # [N, H, R]
@@ -261,7 +257,8 @@ class _Grads:
         v0, v1 = self.v0, self.v1
         pb = self.pb
         if self.need_dx:  # products into scratch, then added: baddbmm_ would round worse on CPU
-            self.dx[:, n0:n1] += torch.matmul(dz, wc.transpose(1, 2), out=pb.scratch("dx", pb.h, n1 - n0, pb.dh))
+            prod = torch.matmul(dz, wc.transpose(1, 2), out=pb.scratch("dx", pb.h, n1 - n0, pb.dh))
+            self.dx[n0:n1].transpose(0, 1).add_(prod)
         if self.need_dw:
             self.dwc += torch.matmul(dz.transpose(1, 2), xc, out=pb.scratch("dwt", pb.h, v1 - v0, pb.dh))
         if self.need_db:
@@ -277,7 +274,7 @@ class _Grads:
 
     def result(self):
         pb = self.pb
-        dx = self.dx.transpose(0, 1).reshape(pb.n, pb.d).to(pb.x.dtype) if self.need_dx else None
+        dx = self.dx.view(pb.n, pb.d).to(pb.x.dtype) if self.need_dx else None
         db = self.db.to(pb.bias.dtype) if self.need_db else None
         if pb.u is None:
             return dx, self.dw, db

@@ -13,31 +13,24 @@ are themselves the accumulators (one launch).  For 16-bit inputs the float32 scr
 ``HF_MHCE_WORKSPACE_MB`` (default 512): if a float32 dX fits beside a slice of dW rows, one fused
 pass runs over vocabulary ranges, each range's dW rounded once; otherwise the backward splits
 into a dW pass over vocabulary ranges and a dX pass over token ranges (one extra recompute of the
-logits, in exchange for bounded memory).
+logits, in exchange for bounded memory), either pass skipped when its gradient is not needed.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .budget import megabytes_env
 from .triton_tile import dot, dot_settings, launch_config, logits_tile, low_rank_args
 
 DEFAULT_WORKSPACE_MB = 512.0
 
 
 def workspace_bytes() -> int:
-    raw = os.environ.get("HF_MHCE_WORKSPACE_MB", "")
-    try:
-        mb = float(raw) if raw else DEFAULT_WORKSPACE_MB
-    except ValueError:
-        raise ValueError(f"HF_MHCE_WORKSPACE_MB must be a number of megabytes, got {raw!r}") from None
-    if not mb > 0:
-        raise ValueError(f"HF_MHCE_WORKSPACE_MB must be positive, got {raw!r}")
-    return int(mb * 2**20)
+    """Bound of the float32 scratch of 16-bit backward passes, from ``HF_MHCE_WORKSPACE_MB``."""
+    return megabytes_env("HF_MHCE_WORKSPACE_MB", DEFAULT_WORKSPACE_MB)
 
 
 @triton.jit
@@ -152,24 +145,28 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
     row_bytes = d * 4
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty_like(w) if need_dw else None
-    fused = need_dx and need_dw and n * row_bytes + cfg["BLOCK_V"] * row_bytes <= budget
-    if fused or not need_dw:  # one pass: float32 dX for all tokens (+ dW by vocabulary range)
-        dx32 = torch.zeros(n, d, **f32) if need_dx else None
-        left = budget - (n * row_bytes if need_dx else 0)
-        for v0, v1, ws in _ranges(v, left // row_bytes, cfg["BLOCK_V"], d, dev, need_dw):
+    if need_dx and need_dw and n * row_bytes + cfg["BLOCK_V"] * row_bytes <= budget:
+        # fused: float32 dX for all tokens beside dW by vocabulary range, one pass
+        dx32 = torch.zeros(n, d, **f32)
+        for v0, v1, ws in _ranges(v, (budget - n * row_bytes) // row_bytes, cfg["BLOCK_V"], d, dev, True):
             launch((0, n), (v0, v1), dx32, ws, *side)
-            if need_dw:
-                dw[v0:v1] = ws[: v1 - v0]
-        if need_dx:
-            dx.copy_(dx32)
-    else:  # bounded memory: a dW pass over vocabulary ranges, then a dX pass over token ranges
-        for v0, v1, ws in _ranges(v, budget // row_bytes, cfg["BLOCK_V"], d, dev, True):
-            launch((0, n), (v0, v1), None, ws, need_db, False, need_dlb)
             dw[v0:v1] = ws[: v1 - v0]
-        if need_dx:
-            for n0, n1, ws in _ranges(n, budget // row_bytes, cfg["BLOCK_N"], d, dev, True):
-                launch((n0, n1), (0, v), ws, None, False, need_du, False)  # dB, dLB came with the dW pass
-                dx[n0:n1] = ws[: n1 - n0]
+        dx.copy_(dx32)
+        return _outputs(dx, dw, db, du, dlb, bias, low_rank)
+    # Bounded memory: a dW pass over vocabulary ranges and/or a dX pass over token ranges (one range when
+    # dX fits), each scratch within the budget.  dB, dU, dLB cover all tokens and all of V, so they go
+    # with whichever pass runs first, whatever else is needed (a dU left to a skipped pass would be 0).
+    if need_dw:
+        for v0, v1, ws in _ranges(v, budget // row_bytes, cfg["BLOCK_V"], d, dev, True):
+            launch((0, n), (v0, v1), None, ws, *side)
+            dw[v0:v1] = ws[: v1 - v0]
+        side = (False, False, False)
+    if need_dx:
+        for n0, n1, ws in _ranges(n, budget // row_bytes, cfg["BLOCK_N"], d, dev, True):
+            launch((n0, n1), (0, v), ws, None, *side)
+            dx[n0:n1] = ws[: n1 - n0]
+    elif any(side):  # only dB / dU / dLB: no scratch at all
+        launch((0, n), (0, v), None, None, *side)
     return _outputs(dx, dw, db, du, dlb, bias, low_rank)
 
 

@@ -1,0 +1,102 @@
+"""The memory budgets: ``HF_MHCE_CHUNK_MB`` and ``HF_MHCE_WORKSPACE_MB`` are parsed by one helper
+(a ValueError naming the variable unless positive and finite), and the Triton backward's float32
+scratch for 16-bit inputs stays within ``HF_MHCE_WORKSPACE_MB`` whichever gradients are needed."""
+
+import pytest
+import torch
+
+import hf_mhce
+from hf_mhce.ops import budget, torch_sweep
+from reference import HAVE_TRITON, assert_close_scaled, requires_triton
+
+
+def _reader(name):
+    """(the function that reads ``name`` for the ops, its default in MB)."""
+    if name == "HF_MHCE_CHUNK_MB":
+        return torch_sweep.chunk_bytes, torch_sweep.DEFAULT_CHUNK_MB
+    if not HAVE_TRITON:
+        pytest.skip("no triton")
+    from hf_mhce.ops import triton_backward
+
+    return triton_backward.workspace_bytes, triton_backward.DEFAULT_WORKSPACE_MB
+
+
+@pytest.mark.parametrize("name", ["HF_MHCE_CHUNK_MB", "HF_MHCE_WORKSPACE_MB"])
+def test_one_parser(name):
+    read, _ = _reader(name)
+    assert read.__globals__["megabytes_env"] is budget.megabytes_env
+
+
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "1e308", "0", "-2", "lots"])
+@pytest.mark.parametrize("name", ["HF_MHCE_CHUNK_MB", "HF_MHCE_WORKSPACE_MB"])
+def test_budget_must_be_positive_and_finite(name, raw, monkeypatch):
+    read, _ = _reader(name)
+    monkeypatch.setenv(name, raw)  # "inf" used to pass the check, then raise an OverflowError naming nothing
+    with pytest.raises(ValueError, match=name):
+        read()
+
+
+@pytest.mark.parametrize("name", ["HF_MHCE_CHUNK_MB", "HF_MHCE_WORKSPACE_MB"])
+def test_budget_values_and_defaults(name, monkeypatch):
+    read, default_mb = _reader(name)
+    monkeypatch.setenv(name, "1.5")
+    assert read() == 3 * 2**19
+    monkeypatch.delenv(name)
+    assert read() == int(default_mb * 2**20)
+
+
+def test_infinite_chunk_budget_is_named_by_the_loss(monkeypatch):
+    monkeypatch.setenv("HF_MHCE_CHUNK_MB", "inf")
+    with pytest.raises(ValueError, match="HF_MHCE_CHUNK_MB"):
+        hf_mhce.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,)))
+
+
+class _Float32Rows:
+    """Stands in for ``torch`` inside triton_backward, recording the float32 [rows, D] tensors it
+    allocates: the dX / dW scratch (dB is [V], dU [N, H, R], dB_low [V, R] with R != D)."""
+
+    def __init__(self, d):
+        self.d, self.rows = d, []
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def _record(self, t):
+        if t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == self.d:
+            self.rows.append(t.shape[0])
+        return t
+
+    def zeros(self, *a, **k):
+        return self._record(torch.zeros(*a, **k))
+
+    def empty(self, *a, **k):
+        return self._record(torch.empty(*a, **k))
+
+
+# N = 37, D = 16: a float32 dX is 2368 bytes, over the 2097-byte budget ("0.002" MB); 32 rows
+# (one vocabulary block, two token blocks of the interpreter's tiles) fit.
+@requires_triton
+@pytest.mark.parametrize("mask", [
+    (True, False, False, False), (True, False, True, True), (True, True, True, False), (False, True, True, True),
+], ids=["frozen-head", "frozen-head-lora", "full", "frozen-body-lora"])
+def test_16bit_scratch_within_workspace(mask, monkeypatch):
+    from hf_mhce.ops import triton_backward
+
+    n, d, v, heads, rank = 37, 16, 61, 2, 3
+    monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", "0.002")
+    spy = _Float32Rows(d)
+    monkeypatch.setattr(triton_backward, "torch", spy)
+    tensors = [torch.randn(n, d), torch.randn(v, d) / 3, torch.randn(n, heads, rank), torch.randn(v, rank) / 2]
+    labels = torch.randint(0, v, (n,))
+    labels[::4] = -100
+    grads = {}
+    for backend in ("torch", "triton"):
+        x, w, u, b = (t.half().requires_grad_(m) for t, m in zip(tensors, mask))
+        hf_mhce.multi_head_cross_entropy(x, w, labels, heads, low_rank=(u, b), label_smoothing=0.1,
+                                         backend=backend).backward()
+        grads[backend] = [t.grad for t in (x, w, u, b)]
+    assert spy.rows and max(spy.rows) * d * 4 <= triton_backward.workspace_bytes(), spy.rows
+    for name, m, got, want in zip(["dX", "dW", "dU", "dB_low"], mask, grads["triton"], grads["torch"]):
+        assert (got is not None) == m, name
+        if m:
+            assert_close_scaled(got, want, rtol=4e-3, atol=4e-3, name=name)
