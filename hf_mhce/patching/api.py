@@ -7,11 +7,10 @@ import os
 import types
 import warnings
 
-
 from .card import set_card_section
 from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config
 from .families import FAMILIES, LogitFacts, UnsupportedModelError, check_loss_function, check_structure, model_type, unsupported
-from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, mirrored_signature
+from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, mirrored_signature, restore_attr
 from .head import UnsupportedHeadError, resolve_head
 from .methods import accelerate_autocast, bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
 from .methods import unwrap as _unwrap
@@ -64,7 +63,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             state.attr = forward_attr(target)
             bind_forward(target)
     setattr(target.config, CONFIG_KEY, cfg.to_saved())
-    _restore_attr(target, _ACCEPTS, False if cfg.ignore_index != TRAINER_IGNORE_INDEX else state.original_accepts)
+    restore_attr(target, _ACCEPTS, False if cfg.ignore_index != TRAINER_IGNORE_INDEX else state.original_accepts)
     state.saves_adapters = state.saves_adapters or model is not target
     install(target)
     if model is not target:  # a PeftModel saves its adapters itself
@@ -92,14 +91,6 @@ def _own_config(model) -> None:
 _ACCEPTS = "accepts_loss_kwargs"
 
 
-def _restore_attr(target, name: str, value) -> None:
-    """Set an instance attribute, or remove it for ABSENT."""
-    if value is ABSENT:
-        target.__dict__.pop(name, None)
-    else:
-        target.__dict__[name] = value
-
-
 def add_card_section(model, title: str, render) -> None:
     """Add a section to the card written on save: ``render(save_directory)`` returns markdown
     (None removes the section).  Used by the RBE callback for its final table and plots."""
@@ -125,7 +116,7 @@ def unpatch(model):
         target.__dict__.pop(attr, None)
     for holder in (target, model):
         remove(holder)
-    _restore_attr(target, _ACCEPTS, state.original_accepts)
+    restore_attr(target, _ACCEPTS, state.original_accepts)
     if state.original_config is ABSENT:
         if hasattr(target.config, CONFIG_KEY):
             delattr(target.config, CONFIG_KEY)

@@ -140,20 +140,21 @@ def decoder_of(model: nn.Module) -> nn.Module:
     if decoder is model and isinstance(getattr(model, DECODER_FALLBACK_ATTR, None), nn.Module):
         return getattr(model, DECODER_FALLBACK_ATTR)
     base = model.base_model
-    if base is not model and base is not decoder and _takes_more_inputs(type(base), type(decoder)):
+    if base is not model and base is not decoder and _takes_more_inputs(type(base).forward, type(decoder).forward):
         return base
     return decoder
 
 
 @functools.lru_cache(maxsize=None)
-def named_inputs(module_class: type) -> frozenset:
-    """The arguments ``module_class.forward`` names (not those it takes through ``**kwargs``)."""
-    params = inspect.signature(module_class.forward).parameters.values()
+def named_inputs(forward) -> frozenset:
+    """The arguments ``forward`` names (not those it takes through ``**kwargs``)."""
+    params = inspect.signature(forward).parameters.values()
     return frozenset(p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
-def _takes_more_inputs(base_class: type, decoder_class: type) -> bool:
-    return bool(named_inputs(base_class) - named_inputs(decoder_class) - CONSUMED_ARGS)
+@functools.lru_cache(maxsize=None)  # decoder_of runs on every forward
+def _takes_more_inputs(base_forward, decoder_forward) -> bool:
+    return bool(named_inputs(base_forward) - named_inputs(decoder_forward) - CONSUMED_ARGS)
 
 
 def dropped_inputs(model: nn.Module, decoder: nn.Module) -> list[str]:
@@ -162,9 +163,8 @@ def dropped_inputs(model: nn.Module, decoder: nn.Module) -> list[str]:
     stock = stock_forward(type(model))
     if stock is None:
         return []
-    names = {n for n, p in inspect.signature(stock).parameters.items()
-             if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-    return sorted((names & _read_names(stock)) - named_inputs(type(decoder)) - CONSUMED_ARGS - KWARGS_ARGS)
+    return sorted((named_inputs(stock) & _read_names(stock)) - named_inputs(type(decoder).forward)
+                  - CONSUMED_ARGS - KWARGS_ARGS)
 
 
 @functools.lru_cache(maxsize=None)

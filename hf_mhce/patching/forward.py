@@ -78,6 +78,14 @@ class _Absent:
 ABSENT = _Absent()
 
 
+def restore_attr(target, name: str, value) -> None:
+    """Set an instance attribute, or remove it for ABSENT."""
+    if value is ABSENT:
+        target.__dict__.pop(name, None)
+    else:
+        target.__dict__[name] = value
+
+
 def mirrored_signature(model_class: type) -> inspect.Signature:
     """The original forward's signature plus ``return_logits`` (and ``**kwargs`` if it had none)."""
     sig = inspect.signature(model_class.forward)
@@ -142,7 +150,7 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
         kwargs["output_router_logits"] = wants_router_logits(model, kwargs)
 
     decoder = decoder_of(model)
-    if labels is not None and "labels" in named_inputs(type(decoder)):
+    if labels is not None and "labels" in named_inputs(type(decoder).forward):
         kwargs["labels"] = labels  # Gemma-3's multimodal base builds its training attention mask from them
     outputs = decoder(**kwargs)
     hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state

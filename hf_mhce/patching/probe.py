@@ -22,9 +22,9 @@ import types
 import torch
 from torch import nn
 
-from .families import (CONSUMED_ARGS, KWARGS_ARGS, decoder_of, defined_in_transformers, model_type, probe_inputs,
-                       stock_forward, unsupported)
-from .forward import ABSENT, PatchState, generic_forward
+from .families import (CONSUMED_ARGS, KWARGS_ARGS, decoder_of, defined_in_transformers, model_type, named_inputs,
+                       probe_inputs, stock_forward, unsupported)
+from .forward import ABSENT, PatchState, generic_forward, restore_attr
 from .methods import accelerate_autocast, forward_attr
 
 
@@ -59,9 +59,9 @@ def foreign_params(model: nn.Module, forward) -> dict:
     the decoder, nor the generic forward itself knows: a subclass's own options (``temperature=1.0``),
     which the fused forward cannot apply."""
     known = set(CONSUMED_ARGS | KWARGS_ARGS)
-    for fn in (stock_forward(type(model)), decoder_of(model).forward):
+    for fn in (stock_forward(type(model)), type(decoder_of(model)).forward):
         if fn is not None:
-            known |= set(inspect.signature(fn).parameters)
+            known |= named_inputs(fn)
     params = inspect.signature(forward).parameters.values()
     return {p.name: p.default for p in params if p.name not in known and p.name != "self"
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
@@ -161,7 +161,4 @@ def _remove_new_hooks(snapshot) -> None:
         for key in set(module._forward_hooks) - keys:
             for table in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
                 table.pop(key, None)
-        if flag is ABSENT:
-            module.__dict__.pop(_HOOKED, None)
-        else:
-            module.__dict__[_HOOKED] = flag
+        restore_attr(module, _HOOKED, flag)
