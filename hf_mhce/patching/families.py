@@ -69,6 +69,8 @@ FAMILIES: dict[str, LogitFacts] = {
     "granite_swa": LogitFacts(divide_attr="logits_scaling"),
     "hyperclovax": LogitFacts(multiply_attr="logits_scaling"),
     "falcon_h1": LogitFacts(multiply_attr="lm_head_multiplier"),
+    "recurrent_gemma": LogitFacts(softcap_attr="logits_soft_cap"),
+    "xlstm": LogitFacts(softcap_attr="output_logit_soft_cap"),
     # mixture-of-experts families: their router's load-balancing loss is found by routers.router_facts
     "mixtral": _PLAIN,
     "qwen2_moe": _PLAIN,

@@ -13,17 +13,20 @@ SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_lay
              num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
              pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # Make the family's logit transform matter at random init.
-FACT_VALUES = {"final_logit_softcapping": 2.0, "logit_scale": 3.0, "logits_scaling": 0.25, "lm_head_multiplier": 3.0}
+FACT_VALUES = {"final_logit_softcapping": 2.0, "logits_soft_cap": 2.0, "output_logit_soft_cap": 2.0, "logit_scale": 3.0, "logits_scaling": 0.25, "lm_head_multiplier": 3.0}
 # Mixture-of-experts families (each config reads the names it knows), with the router loss switched on.
 MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss", "granitemoe", "granitemoeshared",
                 "granitemoe_swa", "glm4_moe", "cohere2_moe"}
 MOE_SIZES = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                  shared_expert_intermediate_size=16, output_router_logits=True)
+# Families whose configs need their own names (xLSTM's head dims round up to 64).
+FAMILY_SIZES = {"recurrent_gemma": dict(block_types=["recurrent", "attention"]),
+                "xlstm": dict(embedding_dim=128, hidden_size=128, num_blocks=2, num_heads=4)}
 
 
 def tiny(model_type, **extra):
     torch.manual_seed(0)
-    sizes = {**SIZES, **(MOE_SIZES if model_type in MOE_FAMILIES else {})}
+    sizes = {**SIZES, **(MOE_SIZES if model_type in MOE_FAMILIES else {}), **FAMILY_SIZES.get(model_type, {})}
     cfg = AutoConfig.for_model(model_type, **sizes, **extra)
     if model_type == "gpt_neox":
         cfg.rotary_pct = 1.0
