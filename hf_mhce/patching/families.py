@@ -11,10 +11,12 @@ in the table is accepted only if a one-off probe shows the generic path reproduc
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import dis
 import functools
 import inspect
+import textwrap
 import typing
 from dataclasses import dataclass
 
@@ -165,8 +167,31 @@ def dropped_inputs(model: nn.Module, decoder: nn.Module) -> list[str]:
     stock = stock_forward(type(model))
     if stock is None:
         return []
-    return sorted((named_inputs(stock) & _read_names(stock)) - named_inputs(type(decoder).forward)
-                  - CONSUMED_ARGS - KWARGS_ARGS)
+    decoder_attrs = frozenset(name for name, child in model.named_children() if child is decoder)
+    return sorted((named_inputs(stock) & _read_names(stock)) - _handed_to(stock, decoder_attrs)
+                  - named_inputs(type(decoder).forward) - CONSUMED_ARGS - KWARGS_ARGS)
+
+
+@functools.lru_cache(maxsize=None)
+def _handed_to(forward, attrs: frozenset) -> frozenset:
+    """The names ``forward``'s body uses only as ``name=name`` in calls ``self.<attr>(...)`` of the decoder:
+    the original hands them to the decoder's ``**kwargs`` just as the generic forward does (InternVL's
+    ``image_sizes``, BLT's cross-attention masks), so nothing is dropped.  Empty where the source is unknown."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(forward))))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    handed = set()  # ids of the Name nodes passed on as name=name to the decoder
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if (isinstance(node, ast.Call) and isinstance(func, ast.Attribute) and func.attr in attrs
+                and isinstance(func.value, ast.Name) and func.value.id == "self"):
+            handed.update(id(k.value) for k in node.keywords if isinstance(k.value, ast.Name) and k.value.id == k.arg)
+    passed, other = set(), set()  # a name also used any other way (or re-bound) is read, not only handed on
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (passed if id(node) in handed else other).add(node.id)
+    return frozenset(passed - other)
 
 
 @functools.lru_cache(maxsize=None)

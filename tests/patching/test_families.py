@@ -151,3 +151,19 @@ def test_overridden_forward_of_a_listed_family_is_verified():
     torch.manual_seed(0)
     ref = _LoggingLlama(cfg)
     check_equal(ref, apply_patch(twin(ref)))
+
+
+def test_an_input_only_handed_to_the_decoder_is_not_dropped():
+    """`name=name` into self.<decoder>(...) reaches the decoder's **kwargs in the generic forward too;
+    the same name used any other way (or re-bound) is read by the original and counts as dropped."""
+    from hf_mhce.patching.families import _handed_to
+
+    class Model:
+        def forward(self, kept=None, used=None, rebound=None, elsewhere=None, **kwargs):
+            out = self.model(kept=kept, used=used, rebound=rebound, **kwargs)
+            rebound = used * 2
+            return self.other(elsewhere=elsewhere, out=out, rebound=rebound)
+
+    assert _handed_to(Model.forward, frozenset({"model"})) == {"kept"}
+    assert _handed_to(Model.forward, frozenset({"other"})) == {"elsewhere"}
+    assert _handed_to(len, frozenset({"model"})) == frozenset()  # no source: nothing counts as handed on

@@ -92,9 +92,25 @@ def fuyu(seed=0):
     return T.FuyuForCausalLM(config), ids, images
 
 
+def internvl(seed=0):
+    """4 <IMG_CONTEXT> tokens (a 4x4 patch grid pixel-shuffled by 0.5); image_sizes goes to the base's
+    **kwargs in the original too, so the patch hands it on the same way."""
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=[16, 16],
+                  patch_size=[4, 4])
+    config = T.InternVLConfig(vision_config=vision, text_config=dict(TEXT, model_type="qwen2"), image_token_id=IMAGE,
+                              downsample_ratio=0.5)
+    ids = torch.cat([torch.full((2, 4), IMAGE), _text(2, 6, seed)], 1)
+    images = dict(pixel_values=torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(seed)),
+                  image_sizes=torch.tensor([[16, 16]] * 2))
+    return T.InternVLForConditionalGeneration(config), ids, images
+
+
+BUILDERS = {"qwen2_vl": qwen2_vl, "llava": llava, "gemma3": gemma3, "mllama": mllama, "fuyu": fuyu, "internvl": internvl}
+
+
 def build(name, seed=0):
     torch.manual_seed(0)
-    model, ids, images = {"qwen2_vl": qwen2_vl, "llava": llava, "gemma3": gemma3, "mllama": mllama, "fuyu": fuyu}[name](seed)
+    model, ids, images = BUILDERS[name](seed)
     with torch.no_grad():  # off the initial values, some of which (Gemma-3's projector: zeros) hide the image
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
@@ -108,7 +124,7 @@ def _loss_and_grads(model, **inputs):
     return out, grads(model)
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "llava", "gemma3", "mllama", "fuyu"])
+@pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_images_reach_loss_gradients_and_logits(name):
     ref, ids, images = build(name)
     model = apply_patch(copy.deepcopy(ref))
