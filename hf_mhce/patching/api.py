@@ -12,7 +12,7 @@ from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_confi
 from .families import FAMILIES, LogitFacts, UnsupportedModelError, check_loss_function, check_structure, model_type, unsupported
 from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, mirrored_signature, restore_attr
 from .head import UnsupportedHeadError, resolve_head
-from .methods import accelerate_autocast, bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
+from .methods import accelerate_autocast, adopt_trl_head, bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
 from .methods import unwrap as _unwrap
 from .probe import foreign_forward, foreign_params, original_forward, verify
 
@@ -56,11 +56,13 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             autocast=accelerate_autocast(target.__dict__.get(attr)) if attr == "forward" else None,
         )
         target.__dict__[STATE_ATTR] = state
+        adopt_trl_head(state, state.original)  # a TRL trainer's model: its wrapper's options
         bind_forward(target)
     else:
         state.config, state.facts, state.router, state.foreign = cfg, facts, router, foreign
-        if live_attr(target) is None:  # replaced since (e.g. by Liger): asked again, so put it back
+        if live_attr(target) is None:  # replaced since (e.g. by Liger or TRL): asked again, so put it back
             state.attr = forward_attr(target)
+            adopt_trl_head(state, target.__dict__.get("forward"))
             bind_forward(target)
     setattr(target.config, CONFIG_KEY, cfg.to_saved())
     restore_attr(target, _ACCEPTS, False if cfg.ignore_index != TRAINER_IGNORE_INDEX else state.original_accepts)

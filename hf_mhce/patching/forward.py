@@ -30,12 +30,14 @@ from transformers.modeling_utils import slice_logits_to_keep
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
 from .config import LossConfig
 from .families import LOSS_KWARGS, LogitFacts, check_loss_function, decoder_of, logit_transform, named_inputs, stock_forward
+from .fused_head import FusedLMHeadOutput, fused_head_output
 from .head import fused_operands, mixed_batch_adapters, resolve_head
 from .routers import RouterFacts, router_loss, wants_router_logits
 from .sharding import call_through
 
 STATE_ATTR = "_hf_mhce_patch"
 TRAINER_IGNORE_INDEX = -100  # what transformers' Trainer assumes when it counts num_items_in_batch
+FUSED_REROUTE_KWARG = "_hf_mhce_fused_lm_head"
 
 
 @dataclass
@@ -57,6 +59,7 @@ class PatchState:
     router: RouterFacts | None = None  # a mixture of experts' load-balancing loss (routers.py)
     foreign: dict = field(default_factory=dict)  # a replaced forward's own options: {name: default} (probe.py)
     autocast: object = None  # accelerate's mixed-precision autocast the forward ran under (methods.py)
+    fused_head: dict = field(default_factory=dict)  # TRL's add_fused_lm_head options, once seen (fused_head.py)
 
 
 class _Absent:
@@ -143,6 +146,9 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     logits_to_keep = kwargs.pop("logits_to_keep", 0)
     want_logits = kwargs.pop("return_logits", None)
     skip_logits = kwargs.pop("skip_logits", None)  # the Liger/Trainer spelling of the same wish
+    # TRL's fused-LM-head call (fused_head.py); the second name is how methods.py's guard reroutes one
+    # that reaches us through TRL's wrapper
+    fused = bool(kwargs.pop("fused_lm_head", False)) | bool(kwargs.pop(FUSED_REROUTE_KWARG, False))
     if want_logits is None:
         want_logits = cfg.return_logits if skip_logits is None else not skip_logits
     loss_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS if k in kwargs}
@@ -156,7 +162,11 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
 
     loss = logits = aux_loss = None
-    if labels is not None:  # as in transformers, shift_labels without labels asks for no loss
+    if fused:
+        check_loss_function(model)
+        result = fused_head_output(model, state, hidden, labels, **loss_kwargs)
+        loss = result.loss
+    elif labels is not None:  # as in transformers, shift_labels without labels asks for no loss
         check_loss_function(model)
         loss = _loss(model, state, hidden, labels, **loss_kwargs)
     if state.router is not None and state.router.adds_loss and kwargs["output_router_logits"]:
@@ -164,6 +174,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
                                        kwargs.get("attention_mask"))
         if loss is not None:
             loss = loss + weight * aux_loss.to(loss.device)
+    if fused:
+        return FusedLMHeadOutput(**{**result, "loss": loss, "aux_loss": aux_loss})
     if want_logits is None and loss is not None and not return_dict:
         want_logits = True  # HF's tuple is (loss, logits, ...): code that unpacks it by position
         _warn_tuple_logits(state)
@@ -210,7 +222,8 @@ def _warn_adapter_save(state: PatchState) -> None:
         "hf_mhce: this model was patched before get_peft_model, so saving the PeftModel's adapter alone "
         "(PeftModel.save_pretrained, Trainer.save_model) will not write hf_mhce.json, the loss config "
         f"{state.config.to_saved()}; hf_mhce.from_pretrained(adapter_dir) would then load plain CE. "
-        "Call hf_mhce.apply_patch(peft_model) once more after get_peft_model.",
+        "Call hf_mhce.apply_patch(peft_model) once more after get_peft_model (with a trainer that wraps the model "
+        "itself, such as TRL's peft_config=..., hf_mhce.apply_patch(trainer.model)).",
         stacklevel=3,
     )
 

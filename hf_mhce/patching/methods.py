@@ -21,7 +21,8 @@ from torch import nn
 
 from .card import SECTIONS_ATTR, write_card
 from .config import write_adapter_config
-from .forward import STATE_ATTR, make_forward
+from .forward import FUSED_REROUTE_KWARG, STATE_ATTR, make_forward
+from .fused_head import trl_head_options
 
 _REDUCE = "__reduce_ex__"
 _SETSTATE = "__setstate__"
@@ -112,22 +113,71 @@ def reaches_patched_forward(model: nn.Module) -> bool:
     return False
 
 
-def _guard(holder: nn.Module, args) -> None:
-    """Forward pre-hook: fail on the first call if the patched forward was replaced (a Trainer with
-    use_liger_kernel=True does so when training starts), instead of training with another loss
-    while the config still records hf_mhce's."""
+def _guard(holder: nn.Module, args, kwargs):
+    """Forward pre-hook: on the first call after the patched forward was replaced, put it back where the
+    replacement is TRL's fused LM head around it (fused_head.py: the patched forward answers that protocol
+    under the model's own distribution), else fail (a Trainer with use_liger_kernel=True replaces it
+    when training starts) instead of training with another loss while the config still records hf_mhce's."""
     target = unwrap(holder)
-    if STATE_ATTR in target.__dict__ and not reaches_patched_forward(target):
-        forward = target.__dict__.get("forward")
-        func = getattr(forward, "__func__", forward)
-        name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}"
-        raise PatchBypassedError(
-            f"{type(target).__name__}.forward was replaced after hf_mhce.apply_patch by {name}, so the model "
-            f"would run without hf_mhce's {target.__dict__[STATE_ATTR].config.loss!r} loss while its config still "
-            "records it. A Trainer with use_liger_kernel=True does this: keep Liger's other kernels with "
-            "liger_kernel_config={'fused_linear_cross_entropy': False}, or call hf_mhce.unpatch(model) first "
-            "to train with Liger's loss (hf_mhce.apply_patch(model) again puts hf_mhce's forward back)"
-        )
+    if STATE_ATTR not in target.__dict__ or reaches_patched_forward(target):
+        return None
+    state = target.__dict__[STATE_ATTR]
+    current = target.__dict__.get("forward")
+    trl = trl_head_options(current)
+    if trl is not None and leads_to_patched(trl["original_forward"]):
+        adopt_trl_head(state, current)
+        state.attr = "forward"
+        bind_forward(target)
+        # This call has already looked up TRL's wrapper, which hands everything but fused_lm_head=True on to
+        # the forward it wrapped (the patched one): the wish goes on under our own name.
+        if kwargs.pop("fused_lm_head", False):
+            kwargs[FUSED_REROUTE_KWARG] = True
+        return args, kwargs
+    name, where = _culprit(current)
+    raise PatchBypassedError(
+        f"{type(target).__name__}.forward was replaced after hf_mhce.apply_patch by {name} ({where}), so the model "
+        f"would run without hf_mhce's {state.config.loss!r} loss while its config still records it. A Trainer with "
+        "use_liger_kernel=True does this: keep Liger's other kernels with liger_kernel_config="
+        "{'fused_linear_cross_entropy': False}, or call hf_mhce.unpatch(model) first to train with Liger's loss "
+        "(hf_mhce.apply_patch(model) again puts hf_mhce's forward back)"
+    )
+
+
+def adopt_trl_head(state, forward) -> None:
+    """If ``forward`` is TRL's fused-LM-head wrapper, keep its options (which fields, the temperature)
+    for the patched forward that replaces it, and the mixed-precision autocast it ran under."""
+    trl = trl_head_options(forward)
+    if trl is not None:
+        state.fused_head = {"outputs": trl["outputs"], "temperature": trl["temperature"]}
+        state.autocast = accelerate_autocast(forward) or accelerate_autocast(trl["original_forward"]) or state.autocast
+
+
+def leads_to_patched(fn) -> bool:
+    """Does ``fn`` (a forward, possibly inside accelerate's or torch.autocast's wrappers) reach the patched one?"""
+    for _ in range(8):
+        fn = getattr(fn, "__func__", fn)
+        if fn is None:
+            return False
+        if getattr(fn, "hf_mhce_patched", False):
+            return True
+        inner = getattr(fn, "__wrapped__", None)
+        fn = getattr(inner, "model_forward", inner)  # accelerate's ConvertOutputsToFp32 keeps the forward there
+    return False
+
+
+def _culprit(forward) -> tuple[str, str]:
+    """(name, file) of what replaced the forward, by code object through accelerate's wrappers:
+    functools.wraps would have it take the name of the class's forward it wraps."""
+    fn = forward
+    for _ in range(8):
+        fn = getattr(fn, "__func__", fn)
+        code = getattr(fn, "__code__", None)
+        if code is not None and not {"accelerate", "torch"} & set(code.co_filename.replace("\\", "/").split("/")):
+            return getattr(code, "co_qualname", code.co_name), code.co_filename
+        inner = getattr(fn, "__wrapped__", None)
+        fn = getattr(inner, "model_forward", inner)
+    func = getattr(forward, "__func__", forward)
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}", "file unknown"
 
 
 def install(holder: nn.Module) -> None:
@@ -136,7 +186,7 @@ def install(holder: nn.Module) -> None:
         if name not in holder.__dict__:
             holder.__dict__[name] = types.MethodType(function, holder)
     if _guard not in holder._forward_pre_hooks.values():
-        holder.register_forward_pre_hook(_guard)
+        holder.register_forward_pre_hook(_guard, with_kwargs=True)
 
 
 def remove(holder: nn.Module) -> None:
@@ -146,6 +196,7 @@ def remove(holder: nn.Module) -> None:
             del holder.__dict__[name]
     for key in [k for k, hook in holder._forward_pre_hooks.items() if hook is _guard]:
         del holder._forward_pre_hooks[key]
+        holder._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def _is_ours(value) -> bool:

@@ -31,7 +31,8 @@ def _run(script: str, *args: str, out: Path) -> list[dict]:
 
 def test_peers_table(tmp_path):
     variants = ["hf_eager", "liger", "hf_mhce_ce", "hf_mhce_mhce4", "hf_mhce_ranks", "slab_fwdgrad"]
-    rows = _run("peers.py", "--device", "cpu", "--small", "--tokens", "37", "--reps", "1", "--rotate", "1",
+    # 9 tokens: one partial row block (the interpreter's time grows with the blocks; kernels are checked in tests/ops)
+    rows = _run("peers.py", "--device", "cpu", "--small", "--tokens", "9", "--reps", "1", "--rotate", "1",
                 "--variants", *variants, out=tmp_path)
     by_name = {r["variant"]: r for r in rows}
     assert list(by_name) == variants
