@@ -140,7 +140,8 @@ def from_pretrained(path_or_id, **kwargs):
     A checkpoint whose config records ``hf_mhce`` gets its saved loss back; a plain checkpoint is
     patched with loss="ce".  A local PEFT adapter directory (``adapter_config.json``) is loaded
     with ``peft.AutoPeftModelForCausalLM`` (base model from the adapter's record) and gets the
-    loss config saved beside the adapter (``hf_mhce.json``), else its base's.  The apply_patch
+    loss config saved beside the adapter (``hf_mhce.json``), else its base's (a vision-language base
+    with its saved class).  The apply_patch
     arguments (loss, num_heads, override_saved and the LossConfig options) may be given here too;
     everything else goes to from_pretrained (``trust_remote_code=True`` for a model that is custom code;
     ``output_loading_info=True`` gives (model, report) for a checkpoint, as transformers does).
@@ -150,9 +151,7 @@ def from_pretrained(path_or_id, **kwargs):
     path = os.fspath(path_or_id)
     _check_not_an_adapter_parent(path)
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(path, **kwargs)
+        model = _peft_loader(path, kwargs).from_pretrained(path, **kwargs)
         saved = read_adapter_config(path)
         if saved is not None:  # what the adapter was trained with is what its outputs mean
             setattr(_unwrap(model).config, CONFIG_KEY, saved)
@@ -162,6 +161,23 @@ def from_pretrained(path_or_id, **kwargs):
         model, info = model
         return apply_patch(model, **patch_kwargs), info
     return apply_patch(model, **patch_kwargs)
+
+
+def _peft_loader(adapter_path: str, kwargs) -> type:
+    """``peft.AutoPeftModelForCausalLM``, building the base with its saved class where that is a
+    vision-language one: AutoModelForCausalLM cannot load a Qwen2-VL or LLaVA base."""
+    from peft import AutoPeftModelForCausalLM, PeftConfig
+    from transformers import AutoModelForCausalLM
+
+    try:
+        peft_config = PeftConfig.from_pretrained(adapter_path)
+    except (OSError, ValueError):  # let peft report it in its words
+        return AutoPeftModelForCausalLM
+    hub = {**kwargs, "revision": peft_config.revision} if peft_config.revision else kwargs
+    base_class = _saved_class(peft_config.base_model_name_or_path, hub)
+    if base_class is AutoModelForCausalLM:
+        return AutoPeftModelForCausalLM
+    return type(f"AutoPeftModelFor{base_class.__name__}", (AutoPeftModelForCausalLM,), {"_target_class": base_class})
 
 
 def _saved_class(path_or_id, kwargs) -> type:

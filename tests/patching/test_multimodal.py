@@ -198,3 +198,25 @@ def test_a_forward_that_would_drop_images_is_refused():
     with pytest.raises(UnsupportedModelError, match=r"takes \[.*'pixel_values'.*\].*would be dropped"):
         apply_patch(model)
     assert "forward" not in model.__dict__ and "hf_mhce" not in model.config.to_dict()
+
+
+@pytest.mark.parametrize("task_type", ["CAUSAL_LM", None])
+def test_peft_adapter_on_a_vision_language_base_reloads(tmp_path, task_type):
+    """AutoPeftModelForCausalLM builds a CAUSAL_LM adapter's base with AutoModelForCausalLM, which
+    cannot load Qwen2-VL: from_pretrained builds it with the base's saved class."""
+    import peft
+
+    model, ids, images = build("qwen2_vl")
+    model.save_pretrained(tmp_path / "base")
+    base = T.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "base")  # records the base's path
+    lora = peft.LoraConfig(task_type=task_type, r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    tuned = apply_patch(peft.get_peft_model(base, lora), loss="mhce", num_heads=2).eval()
+    labels = ids.masked_fill(ids == IMAGE, -100)
+    with torch.no_grad():
+        want = tuned(input_ids=ids, labels=labels, **images).loss
+    tuned.save_pretrained(tmp_path / "adapter")
+    reloaded = hf_mhce.from_pretrained(tmp_path / "adapter").eval()
+    assert type(reloaded.get_base_model()) is T.Qwen2VLForConditionalGeneration
+    assert reloaded.get_base_model().config.hf_mhce["num_heads"] == 2
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids, labels=labels, **images).loss, want)
