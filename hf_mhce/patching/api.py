@@ -29,6 +29,9 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
 
     Only this instance is patched; calling again updates the options; ``unpatch`` undoes it.
     """
+    if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):  # without importing dynamo
+        raise TypeError("apply_patch got a torch.compile'd model: patch the model before torch.compile(model), "
+                        "or pass the compiled model's _orig_mod")
     target = _unwrap(model)
     state = target.__dict__.get(STATE_ATTR)
     out_cls, _, router = check_structure(target)

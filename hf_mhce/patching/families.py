@@ -65,6 +65,9 @@ FAMILIES: dict[str, LogitFacts] = {
     "gemma3_text": _SOFTCAP,
     "vaultgemma": _SOFTCAP,
     "nanochat": _SOFTCAP,
+    "gemma3n_text": _SOFTCAP,
+    "beam": _SOFTCAP,  # MoE, router logits only
+    "paligemma": _SOFTCAP,  # PaliGemma 2 caps with its Gemma-2 text config's value (PaliGemma 1: none)
     "cohere": LogitFacts(multiply_attr="logit_scale"),
     "cohere2": LogitFacts(multiply_attr="logit_scale"),
     "granite": LogitFacts(divide_attr="logits_scaling"),
@@ -249,6 +252,8 @@ def logit_transform(model: nn.Module, facts: LogitFacts) -> tuple[float | None, 
 
     def read(attr):
         value = getattr(config, attr, None) if attr else None
+        if value is None and attr and hasattr(config, "get_text_config"):  # a vision-language model's text config
+            value = getattr(config.get_text_config(), attr, None)
         return None if value is None else float(value)
 
     return read(facts.multiply_attr), read(facts.divide_attr), read(facts.softcap_attr)

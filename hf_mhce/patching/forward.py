@@ -168,7 +168,7 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
         loss = result.loss
     elif labels is not None:  # as in transformers, shift_labels without labels asks for no loss
         check_loss_function(model)
-        loss = _loss(model, state, hidden, labels, **loss_kwargs)
+        loss = _loss(model, state, _loss_positions(hidden, labels, logits_to_keep, loss_kwargs), labels, **loss_kwargs)
     if state.router is not None and state.router.adds_loss and kwargs["output_router_logits"]:
         aux_loss, weight = router_loss(model, state.router, getattr(outputs, "router_logits", None),
                                        kwargs.get("attention_mask"))
@@ -261,7 +261,8 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
     """HF's ForCausalLMLoss semantics, computed by the fused op (no [N, V] logits)."""
     cfg = state.config
     ignore_index = cfg.ignore_index if ignore_index is None else ignore_index
-    _check_label_shape("labels", labels, hidden)
+    if shift_labels is None:  # as in HF, labels are only read without shift_labels
+        _check_label_shape("labels", labels, hidden)
     _check_label_shape("shift_labels", shift_labels, hidden)
     if num_items_in_batch is not None and ignore_index != TRAINER_IGNORE_INDEX:  # the labels as given, not our padding
         _check_item_count_ignores(labels[..., 1:] if shift_labels is None else shift_labels, ignore_index)
@@ -292,6 +293,20 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
         loss = sum(call_through(head, functools.partial(fused, adapter=name), hidden[rows], shift_labels[rows])
                    for name, rows in _adapter_groups(names, hidden))
     return _nan_when_nothing_counts(loss, counted, num_items_in_batch)
+
+
+def _loss_positions(hidden, labels, logits_to_keep, loss_kwargs):
+    """The hidden states the loss covers: every position, or those ``logits_to_keep`` keeps where the
+    labels are sized to them (HF computes its loss on the kept logits then)."""
+    given = loss_kwargs.get("shift_labels")
+    given = labels if given is None else given
+    if isinstance(logits_to_keep, int) and logits_to_keep == 0 or given.shape == hidden.shape[:-1]:
+        return hidden
+    kept = slice_logits_to_keep(hidden, logits_to_keep)
+    if given.shape == kept.shape[:-1]:
+        return kept
+    raise ValueError(f"labels of shape {tuple(given.shape)} fit neither the input {tuple(hidden.shape[:-1])} nor "
+                     f"the positions logits_to_keep={logits_to_keep!r} keeps {tuple(kept.shape[:-1])}")
 
 
 def _check_label_shape(name, labels, hidden) -> None:

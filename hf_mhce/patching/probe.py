@@ -5,7 +5,8 @@ the instance)?
 Both forwards run on two rows of a few tokens in eval mode, one label ignored, and must agree on
 what a caller sees: the loss (with gradients enabled, so that a forward that builds no graph is
 told apart), its dependence on ``num_items_in_batch`` (which a Trainer passes), the logits with and
-without labels, and a mixture of experts' ``aux_loss``.  The model is left as found: mode, buffers
+without labels (also scaled to large values, where a soft-cap shows), and a mixture of experts'
+``aux_loss``.  The model is left as found: mode, buffers
 (a step counter, say) and the hooks transformers installs.
 
 A check on a few tokens cannot see everything: what a forward does only in training, on longer
@@ -100,7 +101,10 @@ def verify(model: nn.Module, out_cls, facts, router, forward, signature, positio
                 kw = dict(input_ids=ids, labels=labels, num_items_in_batch=count, **base)
                 why = _compare(forward(**kw), ours(**kw), "given num_items_in_batch", router)
             if why is None:
-                why = _compare(forward(input_ids=ids, **base), ours(input_ids=ids, **base), "without labels", router)
+                ref = forward(input_ids=ids, **base)
+                why = _compare(ref, ours(input_ids=ids, **base), "without labels", router)
+            if why is None and torch.is_tensor(ref.logits) and ref.logits.numel():
+                why = _large_logits(model, forward, ours, ids, base, router, ref.logits.detach().abs().max().item())
         return why
     except Exception as err:  # noqa: BLE001 - a forward the check cannot run is not verified
         return f"the check's forward raised {type(err).__name__}: {err}"
@@ -108,6 +112,32 @@ def verify(model: nn.Module, out_cls, facts, router, forward, signature, positio
         model.train(was_training)
         _restore_buffers(buffers)
         _remove_new_hooks(hooks)
+
+
+LARGE_LOGIT = 50.0  # well inside any soft-cap's bend (Gemma-2's 30), far from float16's range
+
+
+def _large_logits(model, forward, ours, ids, base, router, largest: float) -> str | None:
+    """The logits once more with the head's output scaled to |logit| ~ LARGE_LOGIT: a fresh model's
+    logits are small, where a soft-cap c * tanh(z / c) is z to the check's tolerance, so a family
+    that caps them would pass with the cap dropped.  Skipped where the forward does not call the head
+    module (nothing to scale)."""
+    head = model.get_output_embeddings()
+    scale, fired = LARGE_LOGIT / max(largest, 1e-6), []
+
+    def scaled(module, inputs, output):
+        fired.append(True)
+        return output * scale
+
+    handle = head.register_forward_hook(scaled)
+    try:
+        ref = forward(input_ids=ids, **base)
+        if not fired:
+            return None
+        return _compare(ref, ours(input_ids=ids, **base), "with large logits (a logit transform such as a soft-cap)",
+                        router)
+    finally:
+        handle.remove()
 
 
 def _compare(ref, ours, case: str, router) -> str | None:

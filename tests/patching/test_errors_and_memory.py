@@ -5,12 +5,12 @@ from dataclasses import dataclass
 import numpy
 import pytest
 import torch
-from patching_models import batch, make_model
+from patching_models import batch, make_model, twin
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import BertConfig, BertForMaskedLM, BertModel, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from hf_mhce.patching import LossConfig, UnsupportedModelError, apply_patch
+from hf_mhce.patching import LossConfig, UnsupportedModelError, apply_patch, is_patched
 
 
 def test_unknown_loss_and_options():
@@ -138,3 +138,26 @@ def test_unpatch_of_a_deepcopy_restores_the_original_forward():
     ids = torch.randint(0, 61, (2, 5))
     assert "forward" not in clone.__dict__ and clone(ids).logits.shape == (2, 5, 61)
     assert not hasattr(clone.config, "hf_mhce")
+
+
+def test_labels_as_transformers_reads_them_with_shift_labels_or_logits_to_keep():
+    """transformers ignores the shape of labels given with shift_labels, and computes the loss on the
+    kept positions when the labels are sized to logits_to_keep; other shapes name both readings."""
+    ref = make_model("llama")
+    model = apply_patch(twin(ref))
+    ids, labels = batch()
+    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+    with torch.no_grad():
+        want = ref(input_ids=ids, labels=labels[:, :1], shift_labels=shifted).loss
+        torch.testing.assert_close(model(input_ids=ids, labels=labels[:, :1], shift_labels=shifted).loss, want)
+        want = ref(input_ids=ids, labels=labels[:, -3:], logits_to_keep=3).loss
+        torch.testing.assert_close(model(input_ids=ids, labels=labels[:, -3:], logits_to_keep=3).loss, want)
+        with pytest.raises(ValueError, match=r"fit neither the input .* nor the positions logits_to_keep=3"):
+            model(input_ids=ids, labels=labels[:, -2:], logits_to_keep=3)
+
+
+def test_a_compiled_model_is_refused_with_the_way_round():
+    model = make_model("llama")
+    with pytest.raises(TypeError, match=r"torch.compile'd model: patch the model before"):
+        apply_patch(torch.compile(model))
+    assert not is_patched(model)

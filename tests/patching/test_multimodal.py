@@ -105,7 +105,22 @@ def internvl(seed=0):
     return T.InternVLForConditionalGeneration(config), ids, images
 
 
-BUILDERS = {"qwen2_vl": qwen2_vl, "llava": llava, "gemma3": gemma3, "mllama": mllama, "fuyu": fuyu, "internvl": internvl}
+def paligemma(seed=0):
+    """PaliGemma 2 (a Gemma-2 text model, whose final-logit soft-cap the forward reads from the text
+    config): 4 <image> tokens (a 2x2 SigLIP patch grid) before the text."""
+    text = dict(TEXT, model_type="gemma2", head_dim=8, final_logit_softcapping=2.0)
+    config = T.PaliGemmaConfig(text_config=text, vision_config=dict(SIGLIP, projection_dim=32), image_token_index=IMAGE,
+                               projection_dim=32)
+    ids = torch.cat([torch.full((2, 4), IMAGE), _text(2, 6, seed)], 1)
+    images = dict(pixel_values=torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed)))
+    model = T.PaliGemmaForConditionalGeneration(config)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(20.0)  # logits near the cap: without it the loss would differ
+    return model, ids, images
+
+
+BUILDERS = {"paligemma": paligemma, "qwen2_vl": qwen2_vl, "llava": llava, "gemma3": gemma3, "mllama": mllama,
+            "fuyu": fuyu, "internvl": internvl}
 
 
 def build(name, seed=0):

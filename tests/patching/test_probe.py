@@ -268,3 +268,22 @@ def test_accelerate_mixed_precision_wrapper_keeps_its_autocast():
     assert is_patched(model)
     hf_mhce.unpatch(model)
     assert model.forward == wrapper
+
+
+def test_a_soft_cap_the_table_does_not_know_is_refused(monkeypatch):
+    """A fresh model's logits are small, where c * tanh(z / c) is z to the probe's tolerance: the probe
+    also compares them scaled to |logit| ~ 50, so a soft-capping family outside the table is refused
+    instead of patched without its cap (gemma3n_text, beam and PaliGemma 2 were, before the table had them)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from hf_mhce.patching import families
+
+    monkeypatch.delitem(families.FAMILIES, "gemma2")
+    torch.manual_seed(0)
+    capped = Gemma2ForCausalLM(Gemma2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            final_logit_softcapping=30.0))
+    with pytest.raises(UnsupportedModelError, match=r"with large logits .*soft-cap.*logits differ"):
+        hf_mhce.apply_patch(capped)
+    capped.config.final_logit_softcapping = None  # no cap: the generic forward is exact
+    assert is_patched(hf_mhce.apply_patch(capped))
