@@ -13,8 +13,8 @@ protocol itself, under the model's own distribution (the mixture pbar for "mhce"
 - ``loss`` = -sum(log_probs) / (num_items_in_batch or the count), plus an MoE router loss; every
   per-token field is 0 where the label is -100, as TRL's.
 
-``trl_head_options`` recognises TRL's wrapper around a patched forward (methods.py's guard then puts
-the patched forward back and keeps TRL's options: which fields, the temperature).
+methods.py recognises TRL's wrapper around a patched forward (``trl_head_options``); its guard then
+puts the patched forward back and keeps TRL's options (which fields, the temperature).
 """
 
 from __future__ import annotations
@@ -48,27 +48,6 @@ class FusedLMHeadOutput(ModelOutput):
     is_top1: torch.Tensor | None = None
     label_mask: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
-
-
-def trl_head_options(forward) -> dict | None:
-    """TRL's options (``outputs``, ``temperature``, ``original_forward``) if ``forward`` is the wrapper
-    ``add_fused_lm_head`` installs, looked for through accelerate's mixed-precision wrapper; else None.
-    Read by code object: the wrapper copies the name of the class's forward (functools.wraps)."""
-    fn = forward
-    for _ in range(6):
-        fn = getattr(fn, "__func__", fn)
-        code = getattr(fn, "__code__", None)
-        if code is not None and getattr(code, "co_qualname", "") == "add_fused_lm_head.<locals>._fused_forward" \
-                and "trl" in code.co_filename.replace("\\", "/").split("/"):
-            cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
-            return {"outputs": tuple(cells.get("outputs", DEFAULT_OPTIONS["outputs"])),
-                    "temperature": float(cells.get("temperature", 1.0)),
-                    "original_forward": cells.get("original_forward")}
-        inner = getattr(getattr(fn, "__wrapped__", None), "model_forward", None)  # accelerate's ConvertOutputsToFp32
-        fn = inner if inner is not None else getattr(fn, "__wrapped__", None)
-        if fn is None:
-            return None
-    return None
 
 
 def fused_head_output(model, state, hidden, labels, shift_labels=None, num_items_in_batch=None, **_):
@@ -120,7 +99,9 @@ def fused_head_output(model, state, hidden, labels, shift_labels=None, num_items
 
 
 def _token_stats(x, w, b, low_rank, labels, num_heads, softcap, wanted) -> dict:
-    """The requested per-token fields (0 where ignored), from blocks of the valid tokens' log-probs."""
+    """The requested per-token fields (0 where ignored), from blocks of the valid tokens' log-probs:
+    one [rows, V] pass per block, run under checkpoint where the entropy needs a gradient (then the
+    block is recomputed in the backward rather than kept)."""
     if not wanted:
         return {}
     flat_x, flat_labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
@@ -128,40 +109,42 @@ def _token_stats(x, w, b, low_rank, labels, num_heads, softcap, wanted) -> dict:
     valid = (flat_labels != TRL_IGNORE_INDEX).nonzero().squeeze(1)
     rows = max(1, chunk_bytes() // (3 * 4 * w.shape[0]))  # log-probs, probs and a temporary, float32
     grad = torch.is_grad_enabled() and "entropy" in wanted
-    parts = {k: [] for k in wanted}
+    parts = []
     for start in range(0, valid.numel(), rows):
         idx = valid[start:start + rows]
         low = None if low_u is None else (low_u[idx], low_rank[1])
-        if grad:  # the block's [rows, V] log-probs are recomputed in the backward, not kept
-            parts["entropy"].append(checkpoint(_entropy, flat_x[idx], w, b, low, num_heads, softcap, use_reentrant=False))
-        with torch.no_grad():
-            lp = multi_head_logprobs(flat_x[idx], w, num_heads, bias=b, softcap=softcap, low_rank=low)
-            if not grad and "entropy" in wanted:
-                parts["entropy"].append(_entropy_of(lp))
-            if "is_top1" in wanted:
-                parts["is_top1"].append(lp.argmax(-1) == flat_labels[idx])
-            if "log_sum_sq_probs" in wanted:
-                parts["log_sum_sq_probs"].append(torch.logsumexp(2 * lp, -1))
-            if "mean_logits" in wanted:  # one head: its logits' mean; a mixture's only logits are log pbar
-                parts["mean_logits"].append(_logits(flat_x[idx], w, b, low, softcap).mean(-1) if num_heads == 1
-                                            else lp.mean(-1))
+        args = (flat_x[idx], w, b, low, flat_labels[idx], num_heads, softcap, tuple(wanted))
+        if grad:
+            parts.append(checkpoint(_block_fields, *args, use_reentrant=False))
+        else:
+            with torch.no_grad():
+                parts.append(_block_fields(*args))
     out = {}
-    for k, chunks in parts.items():
+    for i, k in enumerate(wanted):
         dtype = torch.bool if k == "is_top1" else torch.float32
         full = torch.zeros(flat_labels.shape, dtype=dtype, device=x.device)
-        if chunks:
-            full = full.index_put((valid,), torch.cat(chunks).to(dtype))  # out of place: entropy keeps its graph
+        if parts:
+            full = full.index_put((valid,), torch.cat([p[i] for p in parts]).to(dtype))  # out of place: keeps the graph
         out[k] = full.view(labels.shape)
     return out
 
 
-def _entropy(x, w, b, low, num_heads, softcap):
-    return _entropy_of(multi_head_logprobs(x, w, num_heads, bias=b, softcap=softcap, low_rank=low))
-
-
-def _entropy_of(lp):
-    """-sum p log p; an entry masked to -inf adds 0 (and a zero gradient, not 0 * inf = NaN)."""
-    return -(lp.exp() * lp.masked_fill(lp.isneginf(), 0.0)).sum(-1)
+def _block_fields(x, w, b, low, labels, num_heads, softcap, wanted) -> tuple:
+    """The fields of one block of tokens, in ``wanted``'s order; only the entropy carries a gradient."""
+    lp = multi_head_logprobs(x, w, num_heads, bias=b, softcap=softcap, low_rank=low)
+    fields = []
+    for k in wanted:
+        if k == "entropy":  # an entry masked to -inf adds 0 (and a zero gradient, not 0 * inf = NaN)
+            fields.append(-(lp.exp() * lp.masked_fill(lp.isneginf(), 0.0)).sum(-1))
+            continue
+        with torch.no_grad():
+            if k == "is_top1":
+                fields.append(lp.argmax(-1) == labels)
+            elif k == "log_sum_sq_probs":
+                fields.append(torch.logsumexp(2 * lp, -1))
+            else:  # mean_logits: one head's logits' mean; a mixture's only logits are log pbar
+                fields.append(_logits(x, w, b, low, softcap).mean(-1) if num_heads == 1 else lp.mean(-1))
+    return tuple(fields)
 
 
 def _logits(x, w, b, low, softcap):

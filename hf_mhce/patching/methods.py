@@ -22,7 +22,7 @@ from torch import nn
 from .card import SECTIONS_ATTR, write_card
 from .config import write_adapter_config
 from .forward import FUSED_REROUTE_KWARG, STATE_ATTR, make_forward
-from .fused_head import trl_head_options
+from .fused_head import DEFAULT_OPTIONS
 
 _REDUCE = "__reduce_ex__"
 _SETSTATE = "__setstate__"
@@ -103,14 +103,39 @@ def reaches_patched_forward(model: nn.Module) -> bool:
     ``_old_forward``, or wrappers that name what they wrap (``__wrapped__``, ``functools.partial``)?"""
     if _sits_at(model) == "_old_forward" and hasattr(model, "_hf_hook"):
         return True
-    fn = model.__dict__.get("forward")
-    for _ in range(8):
+    return leads_to_patched(model.__dict__.get("forward"))
+
+
+def wrapper_chain(fn, depth: int = 8):
+    """``fn`` and what it wraps, outermost first: through bound methods, ``functools.wraps``
+    (``__wrapped__``), accelerate's ConvertOutputsToFp32 (``model_forward``) and ``functools.partial``."""
+    for _ in range(depth):
+        fn = getattr(fn, "__func__", fn)
         if fn is None:
-            return False
-        if getattr(getattr(fn, "__func__", fn), "hf_mhce_patched", False):
-            return True
-        fn = getattr(fn, "__wrapped__", None) or getattr(fn, "func", None)
-    return False
+            return
+        yield fn
+        inner = getattr(fn, "__wrapped__", None)
+        fn = getattr(inner, "model_forward", inner) if inner is not None else getattr(fn, "func", None)
+
+
+def leads_to_patched(fn) -> bool:
+    """Does ``fn`` (a forward, possibly inside wrappers) reach the patched one?"""
+    return any(getattr(f, "hf_mhce_patched", False) for f in wrapper_chain(fn))
+
+
+def trl_head_options(forward) -> dict | None:
+    """TRL's options (``outputs``, ``temperature``, ``original_forward``) if ``forward`` is the wrapper
+    ``trl.trainer.utils.add_fused_lm_head`` installs (fused_head.py), else None.  Told by code object:
+    that wrapper copies the name of the class's forward (functools.wraps)."""
+    for fn in wrapper_chain(forward):
+        code = getattr(fn, "__code__", None)
+        if code is not None and getattr(code, "co_qualname", "") == "add_fused_lm_head.<locals>._fused_forward" \
+                and "trl" in code.co_filename.replace("\\", "/").split("/"):
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+            return {"outputs": tuple(cells.get("outputs", DEFAULT_OPTIONS["outputs"])),
+                    "temperature": float(cells.get("temperature", 1.0)),
+                    "original_forward": cells.get("original_forward")}
+    return None
 
 
 def _guard(holder: nn.Module, args, kwargs):
@@ -152,30 +177,13 @@ def adopt_trl_head(state, forward) -> None:
         state.autocast = accelerate_autocast(forward) or accelerate_autocast(trl["original_forward"]) or state.autocast
 
 
-def leads_to_patched(fn) -> bool:
-    """Does ``fn`` (a forward, possibly inside accelerate's or torch.autocast's wrappers) reach the patched one?"""
-    for _ in range(8):
-        fn = getattr(fn, "__func__", fn)
-        if fn is None:
-            return False
-        if getattr(fn, "hf_mhce_patched", False):
-            return True
-        inner = getattr(fn, "__wrapped__", None)
-        fn = getattr(inner, "model_forward", inner)  # accelerate's ConvertOutputsToFp32 keeps the forward there
-    return False
-
-
 def _culprit(forward) -> tuple[str, str]:
-    """(name, file) of what replaced the forward, by code object through accelerate's wrappers:
-    functools.wraps would have it take the name of the class's forward it wraps."""
-    fn = forward
-    for _ in range(8):
-        fn = getattr(fn, "__func__", fn)
+    """(name, file) of what replaced the forward, by code object through accelerate's and torch's
+    wrappers: functools.wraps would have it take the name of the class's forward it wraps."""
+    for fn in wrapper_chain(forward):
         code = getattr(fn, "__code__", None)
         if code is not None and not {"accelerate", "torch"} & set(code.co_filename.replace("\\", "/").split("/")):
             return getattr(code, "co_qualname", code.co_name), code.co_filename
-        inner = getattr(fn, "__wrapped__", None)
-        fn = getattr(inner, "model_forward", inner)
     func = getattr(forward, "__func__", forward)
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', type(func).__name__)}", "file unknown"
 
