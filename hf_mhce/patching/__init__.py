@@ -14,6 +14,7 @@ from .config import CONFIG_KEY, LOSSES, LossConfig, SavedLossMismatchError
 from .families import FAMILIES, TESTED_FAMILIES, LogitFacts, UnsupportedModelError
 from .head import UnsupportedHeadError
 from .methods import PatchBypassedError
+from .trl_reference import UnpatchedReferenceError
 
 __all__ = [
     "apply_patch",
@@ -31,4 +32,5 @@ __all__ = [
     "UnsupportedModelError",
     "UnsupportedHeadError",
     "PatchBypassedError",
+    "UnpatchedReferenceError",
 ]

@@ -11,6 +11,7 @@ later ``apply_patch`` call may update freely.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -153,7 +154,10 @@ def resolve_config(
         raise TypeError(f"override_saved must be a bool, got {override_saved!r}")
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
-        raise TypeError(f"unknown apply_patch option(s) {unknown}; valid options: {list(OPTION_NAMES)}")
+        valid = ["loss", "num_heads", "override_saved", *OPTION_NAMES]
+        close = {k: difflib.get_close_matches(k, valid, 1) for k in unknown}
+        hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k, m in close.items() if m)
+        raise TypeError(f"unknown apply_patch argument(s) {unknown}{hints}; valid arguments: {valid}")
     if loss is not None and loss not in LOSSES:
         raise ValueError(f"unknown loss {loss!r}: hf_mhce supports loss in {LOSSES}")
     recorded = LossConfig.from_saved(saved) if saved is not None else None

@@ -14,11 +14,14 @@ protocol itself, under the model's own distribution (the mixture pbar for "mhce"
   per-token field is 0 where the label is -100, as TRL's.
 
 methods.py recognises TRL's wrapper around a patched forward (``trl_head_options``); its guard then
-puts the patched forward back and keeps TRL's options (which fields, the temperature).
+puts the patched forward back and keeps TRL's options (which fields, the temperature, and
+``cast_lm_head_to_fp32``: the head then runs in float32 outside autocast, as in TRL's own fused head).
+The first call under a trainer also checks the trainer's reference model (trl_reference.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +33,11 @@ from ..ops.torch_sweep import chunk_bytes
 from .families import logit_transform
 from .head import fused_operands, mixed_batch_adapters, resolve_head
 from .sharding import call_through
+from .trl_reference import check_reference_model
 
 TRL_IGNORE_INDEX = -100  # TRL's collators mark ignored labels so, whatever the model's ignore_index
 TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-DEFAULT_OPTIONS = {"outputs": ("log_probs",), "temperature": 1.0}  # add_fused_lm_head's defaults
+DEFAULT_OPTIONS = {"outputs": ("log_probs",), "temperature": 1.0, "cast_lm_head_to_fp32": False}  # add_fused_lm_head's
 
 
 @dataclass
@@ -69,6 +73,8 @@ def fused_head_output(model, state, hidden, labels, shift_labels=None, num_items
         raise ValueError(f"fused_lm_head=True: labels of shape {tuple(labels.shape)} for an input of shape "
                          f"{tuple(hidden.shape[:-1])} (after the shift)")
     labels = labels.to(hidden.device)
+    if not state.reference_checked:
+        state.reference_checked = check_reference_model(state)
     multiply, divide, softcap = logit_transform(model, state.facts)
     scale = (multiply or 1.0) / (divide or 1.0)
     temperature = options["temperature"]
@@ -83,14 +89,19 @@ def fused_head_output(model, state, hidden, labels, shift_labels=None, num_items
     if mixed_batch_adapters(head) is not None:
         raise ValueError("fused_lm_head=True with a PEFT mixed-adapter batch (adapter_names=...) is not supported")
     wanted = [k for k in TOKEN_FIELDS if k in options["outputs"] and k != "log_probs"]
+    fp32 = options.get("cast_lm_head_to_fp32", False)
 
     def fields(hidden, labels):  # reads the head inside the head's call: see sharding.py
         x, w, b, low_rank = fused_operands(resolve_head(head, None, hidden), hidden, cfg.num_heads, scale)
+        if fp32:  # TRL's cast_lm_head_to_fp32: float32 operands, autocast off (as its own fused head)
+            x, w, b = x.float(), w.float(), None if b is None else b.float()
+            low_rank = None if low_rank is None else (low_rank[0].float(), low_rank[1].float())
         nll = multi_head_cross_entropy(x, w, labels, cfg.num_heads, bias=b, low_rank=low_rank, softcap=softcap,
                                        ignore_index=TRL_IGNORE_INDEX, reduction="none", backend=cfg.backend)
         return nll, _token_stats(x, w, b, low_rank, labels, cfg.num_heads, softcap, wanted)
 
-    nll, stats = call_through(head, fields, hidden, labels)
+    with torch.autocast(hidden.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+        nll, stats = call_through(head, fields, hidden, labels)
     mask = labels != TRL_IGNORE_INDEX
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     if torch.is_tensor(count):

@@ -51,6 +51,7 @@ class HeadParts:
     weight: torch.Tensor  # [V, D]
     bias: torch.Tensor | None  # [V]
     adapters: list[Adapter] = field(default_factory=list)
+    float32: bool = False  # TRL's cast_lm_head_to_fp32 forward: F.linear on float32 operands (``_instance_forward``)
 
 
 def resolve_head(head: nn.Module, adapter: str | None = None, hidden: torch.Tensor | None = None) -> HeadParts:
@@ -63,6 +64,15 @@ def resolve_head(head: nn.Module, adapter: str | None = None, hidden: torch.Tens
 
 
 def _resolve(head: nn.Module, adapter: str | None = None) -> HeadParts:
+    replaced = _instance_forward(head)
+    if replaced is not None:
+        if not (_is_trl_fp32_forward(replaced) and type(head) is nn.Linear):
+            raise UnsupportedHeadError(
+                f"the LM head's forward was replaced on the instance by {_name(replaced)}; the fused loss reads the "
+                "head's weight and bias and never calls it, so that forward would be skipped. Remove it (del "
+                "lm_head.forward), or hf_mhce.unpatch(model)"
+            )
+        return HeadParts(head.weight, head.bias, float32=True)
     if ModulesToSaveWrapper and isinstance(head, ModulesToSaveWrapper):
         # PEFT trains a copy; the original is used only while adapters are disabled.
         active = head.active_adapters if adapter is None else [adapter]
@@ -101,6 +111,8 @@ def _resolve_lora(layer, adapter: str | None = None) -> HeadParts:
     parts = _resolve(layer.base_layer, adapter)
     if layer.disable_adapters or layer.merged:
         return parts
+    if parts.float32:  # TRL refuses it too: the adapters' dtype would be ambiguous
+        raise UnsupportedHeadError("TRL's cast_lm_head_to_fp32 with LoRA adapters on the LM head is not supported")
     if getattr(layer, "fan_in_fan_out", False):
         raise UnsupportedHeadError("LoRA with fan_in_fan_out=True (Conv1D heads) is not supported on the LM head")
     adapters = list(parts.adapters)
@@ -172,6 +184,31 @@ def _accelerate_hooks(module: nn.Module) -> list:
             and (type(h).pre_forward is not ModelHook.pre_forward or type(h).post_forward is not ModelHook.post_forward)]
 
 
+def _instance_forward(head: nn.Module):
+    """A forward put on the head instance in place of its class's (TRL's ``cast_lm_head_to_fp32`` does
+    this), looking through accelerate's hook (which calls what it replaced, ``_old_forward``) and
+    sharding.call_through's own (which records what it replaced); None if there is none."""
+    forward = head.__dict__.get("forward")
+    if forward is not None and _framework_hook(forward) and hasattr(head, "_hf_hook"):
+        forward = head.__dict__.get("_old_forward")
+    while forward is not None and hasattr(forward, "hf_mhce_replaced"):
+        forward = forward.hf_mhce_replaced
+    if forward is None or getattr(forward, "__func__", None) is type(head).forward:
+        return None
+    return forward
+
+
+def _is_trl_fp32_forward(fn) -> bool:
+    """TRL's ``cast_forward_to_fp32`` (GRPO's cast_lm_head_to_fp32): ``F.linear`` on float32 operands."""
+    code = getattr(fn, "__code__", None)
+    return code is not None and code.co_name == "cast_forward_to_fp32" and (fn.__module__ or "").startswith("trl.")
+
+
+def _name(fn) -> str:
+    fn = getattr(fn, "func", fn)
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
 def _framework_hook(hook) -> bool:
     fn = getattr(hook, "func", hook)  # functools.partial
     module = getattr(fn, "__module__", None) or type(fn).__module__
@@ -206,6 +243,8 @@ def fused_operands(parts: HeadParts, hidden: torch.Tensor, num_heads: int, scale
         low_rank, extra_bias = _lora_terms(parts, hidden, num_heads)
         if extra_bias is not None:
             bias = extra_bias if bias is None else bias + extra_bias
+    if parts.float32:  # as TRL's instance forward: F.linear(x.float(), W.float(), b.float()), under any autocast
+        hidden, weight = hidden.float(), weight.float()
     if bias is not None:
         bias = bias.to(weight.dtype)
     if scale is not None and scale != 1.0:

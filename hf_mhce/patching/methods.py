@@ -134,8 +134,20 @@ def trl_head_options(forward) -> dict | None:
             cells = dict(zip(code.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
             return {"outputs": tuple(cells.get("outputs", DEFAULT_OPTIONS["outputs"])),
                     "temperature": float(cells.get("temperature", 1.0)),
+                    "cast_lm_head_to_fp32": bool(cells.get("cast_lm_head_to_fp32", False)),
                     "original_forward": cells.get("original_forward")}
     return None
+
+
+def under_trl_heads(forward):
+    """What TRL's fused-LM-head wrappers around ``forward`` wrap, innermost: each trainer built on a model
+    wraps the forward it finds, TRL's wrapper of an earlier trainer included."""
+    for _ in range(16):
+        trl = trl_head_options(forward)
+        if trl is None:
+            break
+        forward = trl["original_forward"]
+    return forward
 
 
 def _guard(holder: nn.Module, args, kwargs):
@@ -149,7 +161,7 @@ def _guard(holder: nn.Module, args, kwargs):
     state = target.__dict__[STATE_ATTR]
     current = target.__dict__.get("forward")
     trl = trl_head_options(current)
-    if trl is not None and leads_to_patched(trl["original_forward"]):
+    if trl is not None and leads_to_patched(under_trl_heads(current)):
         adopt_trl_head(state, current)
         state.attr = "forward"
         bind_forward(target)
@@ -172,9 +184,10 @@ def adopt_trl_head(state, forward) -> None:
     """If ``forward`` is TRL's fused-LM-head wrapper, keep its options (which fields, the temperature)
     for the patched forward that replaces it, and the mixed-precision autocast it ran under."""
     trl = trl_head_options(forward)
-    if trl is not None:
-        state.fused_head = {"outputs": trl["outputs"], "temperature": trl["temperature"]}
-        state.autocast = accelerate_autocast(forward) or accelerate_autocast(trl["original_forward"]) or state.autocast
+    if trl is not None:  # the outermost wrapper's: the last trainer built on the model
+        state.fused_head = {k: trl[k] for k in DEFAULT_OPTIONS}
+        state.autocast = accelerate_autocast(forward) or accelerate_autocast(under_trl_heads(forward)) or state.autocast
+        state.reference_checked = False  # a new trainer: its reference model is checked at its first call
 
 
 def _culprit(forward) -> tuple[str, str]:

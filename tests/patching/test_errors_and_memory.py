@@ -17,8 +17,10 @@ def test_unknown_loss_and_options():
     model = make_model("llama")
     with pytest.raises(ValueError, match=r"unknown loss 'focal'.*\('ce', 'mhce'\)"):
         apply_patch(model, loss="focal")
-    with pytest.raises(TypeError, match="unknown apply_patch option.*label_smothing"):
+    with pytest.raises(TypeError, match="unknown apply_patch argument.*label_smothing.*did you mean 'label_smoothing'"):
         apply_patch(model, label_smothing=0.1)
+    with pytest.raises(TypeError, match=r"'heads': did you mean 'num_heads'.*valid arguments: \['loss', 'num_heads'"):
+        apply_patch(model, "mhce", heads=2)
     with pytest.raises(ValueError, match="needs num_heads"):
         apply_patch(model, loss="mhce")
     with pytest.raises(ValueError, match="only applies to loss='mhce'"):
@@ -112,7 +114,10 @@ def test_no_full_logits_in_eval_with_labels(family, loss, monkeypatch):
     def no_head_call(*_):
         raise AssertionError("the LM head module was called")
 
-    model.get_output_embeddings().forward = no_head_call  # (a pre-hook would run: the fused path runs them)
+    # a tripwire on the call itself (a pre-hook would run: the fused path runs them; a forward put on the
+    # instance is refused, since the fused path would skip it)
+    head = model.get_output_embeddings()
+    head.__class__ = type("UncallableLinear", (type(head),), {"__call__": no_head_call})
     monkeypatch.setenv("HF_MHCE_CHUNK_MB", "0.05")  # the op's blocks stay well below [N, V]
     for grad in (False, True):
         with torch.set_grad_enabled(grad), _LargestOutput() as mode:

@@ -213,3 +213,34 @@ def test_backward_hooks_and_accelerate_hooks_on_the_head_are_refused():
     add_hook_to_module(model.lm_head, Scale())  # replaces lm_head.forward: no torch hook dictionary shows it
     with pytest.raises(UnsupportedHeadError, match="Scale"):
         model(input_ids=ids, labels=labels)
+
+
+@pytest.mark.parametrize("loss", ["ce", "mhce"])
+def test_a_forward_put_on_the_head_instance_is_refused(loss):
+    """``lm_head.forward = f`` (what TRL's cast_lm_head_to_fp32 does, tested in test_trl.py) is never called by
+    the fused loss: any other such forward is refused at apply_patch and at the call, not skipped; a forward
+    accelerate's hooks leave behind (the class's own, bound) is fine."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
+
+    def doubled_head(model):
+        def forward(x):
+            return nn.functional.linear(x, model.lm_head.weight) * 2
+
+        return forward
+
+    options = dict(loss=loss, num_heads=2 if loss == "mhce" else None)
+    model = make_model("llama")
+    model.lm_head.forward = doubled_head(model)
+    with pytest.raises(UnsupportedModelError, match="forward was replaced on the instance by .*doubled_head"):
+        hf_mhce.apply_patch(model, **options)
+    model = hf_mhce.apply_patch(make_model("llama"), **options)
+    ids, labels = batch()
+    want = model(input_ids=ids, labels=labels).loss
+    add_hook_to_module(model.lm_head, AlignDevicesHook(execution_device="cpu"))  # calls the class's forward
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, want, rtol=0, atol=0)
+    remove_hook_from_module(model.lm_head)
+    assert "forward" in model.lm_head.__dict__  # accelerate leaves the class's forward, bound, on the instance
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, want, rtol=0, atol=0)
+    model.lm_head.forward = doubled_head(model)
+    with pytest.raises(UnsupportedHeadError, match="forward was replaced on the instance"):
+        model(input_ids=ids, labels=labels)

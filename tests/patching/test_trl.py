@@ -19,7 +19,9 @@ from hf_mhce.patching.methods import reaches_patched_forward, unwrap
 
 import trl  # noqa: E402  (in the [test] extra: a missing install fails, never skips)
 from packaging.version import Version  # noqa: E402
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+from hf_mhce.patching import UnpatchedReferenceError  # noqa: E402
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?")
 TEXTS = ["the cat sat on the mat.", "a dog ran far away!", "hello world, how are you?", "quick brown fox jumps.",
@@ -48,8 +50,9 @@ def _model(seed=0):
 
 def _args(cls, **kw):
     base = dict(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2,
-                logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, max_length=64,
-                disable_tqdm=True, seed=0)
+                logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, seed=0)
+    if cls is not GRPOConfig:  # GRPO has prompt and completion lengths instead
+        base["max_length"] = 64
     return cls(**{**base, **kw})
 
 
@@ -136,3 +139,81 @@ def test_dpo_mhce_log_probs_are_the_mixture():
         per_token = lp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0] * batch["completion_mask"][:, 1:]
         chosen = per_token.sum(1).chunk(2)[0].mean().item()
     assert logs["logps/chosen"] == pytest.approx(chosen, rel=1e-5)
+
+
+def _dpo_data():
+    return Dataset.from_dict({"prompt": TEXTS[:4], "chosen": [" " + t for t in TEXTS[4:]],
+                              "rejected": [" " + t[::-1] for t in TEXTS[4:]]})
+
+
+def _reward(completions, **_):
+    return [len(c) / 10 + c.count("a") * 0.3 for c in completions]
+
+
+def _grpo(model, **kw):
+    args = _args(GRPOConfig, **{**dict(num_generations=2, max_completion_length=6), **kw})
+    return GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=Dataset.from_dict({"prompt": TEXTS}),
+                       processing_class=_tokenizer())
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dpo"])
+@pytest.mark.parametrize("loss", ["ce", "mhce"])
+def test_a_reference_model_trl_loads_itself(kind, loss):
+    """GRPO (beta > 0) and DPO (ref_model=None) load the reference from the policy's checkpoint with plain
+    transformers: for an MHCE policy that is another distribution, refused at the first step; once patched
+    (apply_patch(trainer.ref_model)) policy == reference at step 1: KL 0, DPO loss log 2.  CE needs nothing."""
+    path = tempfile.mkdtemp()
+    hf_mhce.apply_patch(_model(), loss=loss, num_heads=2 if loss == "mhce" else None).save_pretrained(path)
+    if kind == "grpo":
+        trainer = _grpo(hf_mhce.from_pretrained(path), beta=0.1, learning_rate=0.0, max_steps=1)
+    else:
+        trainer = DPOTrainer(model=hf_mhce.from_pretrained(path), args=_args(DPOConfig, max_steps=1, learning_rate=0.0),
+                             train_dataset=_dpo_data(), processing_class=_tokenizer())
+    assert STATE_ATTR not in unwrap(trainer.ref_model).__dict__
+    if loss == "mhce":
+        with pytest.raises(UnpatchedReferenceError, match=r"hf_mhce.apply_patch\(trainer.ref_model\)"):
+            trainer.train()
+        hf_mhce.apply_patch(trainer.ref_model)
+        assert unwrap(trainer.ref_model).config.hf_mhce["loss"] == "mhce"
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h][0]
+    if kind == "grpo":
+        assert logs["kl"] == 0.0
+    else:
+        assert logs["loss"] == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_grpo_lm_head_in_float32_matches_trl():
+    """GRPO's cast_lm_head_to_fp32 puts a float32 F.linear on the head instance; TRL's fused head then runs in
+    float32 outside the bf16 autocast.  The patched CE model computes exactly that (logs and weights equal)."""
+    trainers = []
+    for patch in (False, True):
+        model = hf_mhce.apply_patch(_model()) if patch else _model()
+        trainers.append(_grpo(model, bf16=True, cast_lm_head_to_fp32=True))
+        trainers[-1].train()
+    assert reaches_patched_forward(trainers[1].model) and trainers[1].model.lm_head.weight.dtype == torch.float32
+    keys = ("loss", "entropy", "reward", "grad_norm")
+    for got, want in zip(_logs(trainers[1], keys), _logs(trainers[0], keys), strict=True):
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
+    for (name, p), q in zip(trainers[1].model.named_parameters(), trainers[0].model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    # Outside TRL's protocol and outside autocast (trainers not started), a bf16 body feeds the head's float32 F.linear
+    models = [_grpo(m, cast_lm_head_to_fp32=True).model for m in (_model(), hf_mhce.apply_patch(_model()))]
+    ids = torch.tensor([[1, 5, 9, 14, 20, 7]])
+    with torch.no_grad():
+        want, got = (m.model.to(torch.bfloat16) and m(input_ids=ids, labels=ids).loss for m in models)
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_a_second_trainer_on_the_same_model():
+    """Each TRL trainer wraps the forward it finds, an earlier trainer's fused head included: the patch
+    follows the chain, takes the last trainer's options and trains as a single trainer would."""
+    losses = []
+    for trainers in (1, 2):
+        model = hf_mhce.apply_patch(_model(), loss="mhce", num_heads=2)
+        for _ in range(trainers):
+            trainer = _sft(model, max_steps=1)
+        trainer.train()
+        assert reaches_patched_forward(trainer.model)
+        losses.append(_logs(trainer)[0]["loss"])
+    assert losses[1] == losses[0]

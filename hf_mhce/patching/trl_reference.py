@@ -1,0 +1,75 @@
+"""The reference model of a TRL trainer whose policy is a patched MHCE model.
+
+GRPO and RLOO (with ``beta > 0``), DPO and KTO (with ``ref_model=None`` and no PEFT adapter) load
+their reference model themselves, with plain transformers, from the policy's checkpoint.  A plain
+model ignores the MHCE loss recorded in the config: its log-probs come from one softmax over the
+whole head, not from the mixture the policy uses, so the KL term or the log-ratios would compare two
+different distributions from step 1 on.  Nothing of hf_mhce runs in that model, so the check is made
+from the policy's side, at its first ``fused_lm_head=True`` call: the trainer making it is found on
+the call stack and its ``ref_model`` inspected.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+
+class UnpatchedReferenceError(RuntimeError):
+    """A TRL trainer's reference model would score an MHCE policy's tokens with a plain softmax."""
+
+
+@torch.compiler.disable  # reads the caller's frames: must run as Python, not be traced
+def check_reference_model(state, max_depth: int = 64) -> bool:
+    """Raise if the trainer calling the policy whose patch state is ``state`` (an MHCE model) holds an
+    unpatched reference model.  Returns whether a trainer was found (the check is then done)."""
+    trainer = _calling_trainer(max_depth)
+    if trainer is None:
+        return False
+    reference = getattr(trainer, "ref_model", None)
+    if state.config.loss != "mhce" or not isinstance(reference, nn.Module) or _patched(reference):
+        return True  # CE: a plain model has the same distribution
+    inner = _inner(reference)
+    source = getattr(getattr(inner, "config", None), "_name_or_path", "") or "the policy's checkpoint"
+    raise UnpatchedReferenceError(
+        f"{type(trainer).__name__}'s reference model (loaded from {source!r}) is not patched by hf_mhce, while the "
+        f"policy is an MHCE model (num_heads={state.config.num_heads}): it would score tokens with one softmax over the "
+        "whole head, not the policy's mixture, and the KL / log-ratio terms would compare two different distributions. "
+        "TRL loads that reference itself with plain transformers (GRPO and RLOO with beta > 0, DPO and KTO with "
+        "ref_model=None). Call hf_mhce.apply_patch(trainer.ref_model) after building the trainer, or pass "
+        "ref_model=hf_mhce.from_pretrained(...) where the trainer takes one; to keep a plain-softmax reference on "
+        "purpose: hf_mhce.apply_patch(trainer.ref_model, 'ce')"
+    )
+
+
+def _calling_trainer(max_depth: int):
+    """The innermost transformers Trainer whose method is on the call stack, or None."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None:  # no Trainer can be calling
+        return None
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, trainer_module.Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The transformers model inside DDP / DeepSpeed / FSDP wrappers and a PeftModel."""
+    from accelerate.utils import extract_model_from_parallel
+
+    from .methods import unwrap  # methods.py sits above the forward that calls us
+
+    return unwrap(extract_model_from_parallel(model))
+
+
+def _patched(model: nn.Module) -> bool:
+    from .forward import STATE_ATTR
+
+    return STATE_ATTR in _inner(model).__dict__
