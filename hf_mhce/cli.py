@@ -69,7 +69,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _rbe(args: argparse.Namespace) -> int:
     import json
 
-    from .rbe.data import DataError, load_texts, load_tokenizer, remote_code_option, token_blocks
+    from .rbe.data import DataError, load_texts, load_tokenizer, looks_like_a_path, remote_code_option, token_blocks
     from .rbe.evaluate import evaluate
     from .rbe.plots import plot_rank_distribution
 
@@ -77,12 +77,15 @@ def _rbe(args: argparse.Namespace) -> int:
         return remote_code_option(TRUST_REMOTE_CODE, SystemExit)
 
     # the cheap checks first: a wrong argument is named before the model and the data are loaded
+    if looks_like_a_path(args.model) and not os.path.exists(os.path.expanduser(args.model)):  # not a hub id either
+        raise SystemExit(f"hf-mhce rbe: no such checkpoint directory: {args.model!r} (MODEL is a checkpoint "
+                         "directory or a hub id)")
     with trusting():
         limit, limit_name = _max_positions(args.model, args.trust_remote_code)
     block_size = args.block_size if args.block_size is not None else min(256, limit or 256)
-    if limit is not None and block_size > limit:
-        raise SystemExit(f"--block-size {block_size} is more than the {limit} positions {args.model} takes "
-                         f"({limit_name} in its config): pass --block-size {limit} or less")
+    too_long = block_size_refusal("--block-size", block_size, args.model, limit, limit_name)
+    if too_long:
+        raise SystemExit(too_long)
     try:
         with trusting():
             tokenizer, tokenizer_source = load_tokenizer(args.tokenizer, args.model, args.trust_remote_code)
@@ -125,12 +128,25 @@ def _max_positions(model: str, trust_remote_code: bool = False) -> tuple[int | N
 
     if adapter_base(model) is None and os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
         return None, None  # not a checkpoint: loading it says why
-    _, config = checkpoint_config(model, trust_remote_code)
+    return config_max_positions(checkpoint_config(model, trust_remote_code)[1])
+
+
+def config_max_positions(config) -> tuple[int | None, str | None]:
+    """The longest input a model ``config`` allows, and its field that says so ((None, None): none)."""
     for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value, name
     return None, None
+
+
+def block_size_refusal(option: str, block_size: int, model: str, limit: int | None, limit_name: str | None) -> str | None:
+    """Why blocks of ``block_size`` tokens are too long for ``model`` (None: they fit); a longer input
+    fails inside the model's position embedding (an IndexError mid-run)."""
+    if limit is None or block_size <= limit:
+        return None
+    return (f"{option} {block_size} is more than the {limit} positions {model} takes ({limit_name} in its config): "
+            f"pass {option} {limit} or less")
 
 
 def _load_model(path: str, trust_remote_code: bool = False):
@@ -197,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     rbe.add_argument("--dataset", required=True,
                      help="a datasets name, a saved dataset directory, a folder of data files, or a file: "
                           ".txt/.json/.jsonl/.csv/.parquet read by type, any other text file as plain text "
-                          "(a row per line)")
+                          "(a text file is one document: EOS between files, never between its lines)")
     rbe.add_argument("--dataset-config", default=None)
     rbe.add_argument("--split", default=None,
                      help="split of a dataset with splits (default: test); a single file or saved Dataset has none "
@@ -224,12 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "train":  # HfArgumentParser owns every option of the main job
-        from .train import main as train_main
-        from .train.job import end_distributed
+        from .train import cli as train_cli
 
-        train_main(argv[1:])
-        end_distributed()
-        return 0
+        return train_cli(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

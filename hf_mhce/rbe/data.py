@@ -15,6 +15,12 @@ _FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv",
 _PATH_SUFFIXES = (*_FILE_TYPES, ".md", ".text", ".rst", ".log", ".tsv", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip")
 # datasets' name for the only split of data without splits (a single file, a saved Dataset)
 _WHOLE = "train"
+# A text file is one document, as a pretraining corpus's files are: its line breaks stay in the text
+# and token_stream's EOS marks where the file ends (datasets' default, a row per line, made every line
+# break an EOS).
+_TEXT_OPTIONS = {"sample_by": "document"}
+# transformers' label of a position that is no target
+IGNORE_INDEX = -100
 
 
 class DataError(ValueError):
@@ -49,7 +55,9 @@ def load_texts(path_or_name: str, split: str | None = None, config: str | None =
     hub/local dataset name.
 
     A file ending in .txt/.json/.jsonl/.csv/.parquet is read by datasets' loader for that type, any
-    other UTF-8 text file as plain text (one row per line).  ``split`` (default "test") picks a split of
+    other UTF-8 text file as plain text; a plain text file is one row (a document), as is each file of
+    a folder of .txt files.  A folder mixing types (.txt and .jsonl, say) is refused: datasets would
+    read one type and drop the others.  ``split`` (default "test") picks a split of
     a dataset with splits; a single file or a saved Dataset has none and is read whole, so a split
     other than "train" (datasets' name for it) is refused rather than ignored.  ``split_option``: the
     caller's name for ``split`` in messages.
@@ -57,6 +65,7 @@ def load_texts(path_or_name: str, split: str | None = None, config: str | None =
     import datasets
 
     path = os.path.expanduser(path_or_name)
+    options = {}
     if os.path.isdir(path):
         if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
             ds = datasets.load_from_disk(path)
@@ -64,15 +73,22 @@ def load_texts(path_or_name: str, split: str | None = None, config: str | None =
                 return _pick_split(ds, split, path_or_name, split_option)
             _check_whole(path_or_name, split, "a saved Dataset", split_option)
             return ds
-        if not _has_data_files(path):
+        kinds = _data_file_kinds(path)
+        if not kinds:
             raise DataError(f"{path_or_name!r} is a directory but neither a saved dataset (datasets' save_to_disk) nor "
                             f"a folder of data files ({', '.join(sorted(_FILE_TYPES))})")
+        if len(kinds) > 1:
+            found = ", ".join(f"{kind} ({'/'.join(sorted(exts))})" for kind, exts in sorted(kinds.items()))
+            raise DataError(f"{path_or_name!r} mixes data files of different types: {found}; datasets would read one "
+                            "type and drop the others: put each type in its own folder, or convert them to one type")
+        if set(kinds) == {"text"}:
+            options = _TEXT_OPTIONS
     elif os.path.isfile(path):
         return _load_file(path_or_name, path, split, split_option)
     elif looks_like_a_path(path_or_name):
         raise DataError(f"no such file or directory: {path_or_name!r}")
     try:
-        ds = datasets.load_dataset(path, config)
+        ds = datasets.load_dataset(path, config, **options)
     except (FileNotFoundError, ConnectionError) as err:
         raise DataError(f"{path_or_name!r} is no local file or directory, and loading it as a dataset name "
                         f"failed: {err}") from err
@@ -92,7 +108,7 @@ def _load_file(name: str, path: str, split: str | None, split_option: str):
                             f"({', '.join(sorted(_FILE_TYPES))}): convert it to one of them")
         kind = "text"
     try:
-        return datasets.load_dataset(kind, data_files=path, split=_WHOLE)
+        return datasets.load_dataset(kind, data_files=path, split=_WHOLE, **(_TEXT_OPTIONS if kind == "text" else {}))
     except datasets.exceptions.DatasetGenerationError as err:  # the cause names the parse error
         raise DataError(f"could not read {name!r} as {kind}: {err.__cause__ or err}") from err
 
@@ -143,50 +159,98 @@ def looks_like_a_path(name: str) -> bool:
             or name.lower().endswith(_PATH_SUFFIXES))
 
 
-def _has_data_files(directory: str) -> bool:
-    known = (*_FILE_TYPES, ".arrow", ".py")  # what datasets' folder loader (or a loading script) reads
-    return any(os.path.splitext(f)[1].lower() in known for _, _, files in os.walk(directory) for f in files)
+def _data_file_kinds(directory: str) -> dict[str, set[str]]:
+    """datasets' loader for each type of data file under ``directory`` -> the extensions found."""
+    known = {**_FILE_TYPES, ".arrow": "arrow"}  # what datasets' folder loader reads (datasets 4 runs no scripts)
+    kinds: dict[str, set[str]] = {}
+    for _, _, files in os.walk(directory):
+        for f in files:
+            ext = os.path.splitext(f)[1].lower()
+            if ext in known:
+                kinds.setdefault(known[ext], set()).add(ext)
+    return kinds
 
 
-def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int = 256) -> list[dict]:
-    """Rows of ``block_size`` token ids (the last one shorter): the texts concatenated, EOS-separated.
+def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int = 256,
+                 column_option: str = "--text-column") -> list[dict]:
+    """Rows of ``block_size`` token ids (the last one shorter): the texts of ``text_column`` concatenated
+    by token_stream.  ``column_option``: the caller's name for ``text_column`` in messages.
 
     A dataset that has an ``input_ids`` column is used as it is, a row per example; its
     ``attention_mask`` goes with a row only where it masks something (padding), as evaluate's
-    collator then leaves those positions out of the targets.
+    collator then leaves those positions out of the targets, and its ``labels`` (unshifted, -100 where
+    no target, e.g. a masked prompt) replace the ones evaluate would make from ``input_ids``.
     """
     if block_size < 2:
         raise DataError(f"block size {block_size}: a block needs at least 2 tokens (an input and its target)")
     if "input_ids" in dataset.column_names:
-        masks = dataset["attention_mask"] if "attention_mask" in dataset.column_names else None
-        rows = []
-        for i, ids in enumerate(dataset["input_ids"]):
-            row = {"input_ids": list(ids)}
-            if masks is not None and 0 in masks[i]:
-                row["attention_mask"] = list(masks[i])
-            real = sum(row["attention_mask"]) if "attention_mask" in row else len(row["input_ids"])
-            if real > 1:  # a single token is no target
-                rows.append(row)
-        return rows
-    if text_column not in dataset.column_names:
-        raise DataError(f"no column {text_column!r} in the dataset (columns: {dataset.column_names}); use --text-column")
-    stream = token_stream(dataset[text_column], tokenizer)
+        return _id_rows(dataset)
+    stream = token_stream(column_texts(dataset, text_column, column_option), tokenizer)
     blocks = [stream[i:i + block_size] for i in range(0, len(stream), block_size)]
     return [{"input_ids": b} for b in blocks if len(b) > 1]
 
 
+def _id_rows(dataset) -> list[dict]:
+    columns = dataset.column_names
+    masks = dataset["attention_mask"] if "attention_mask" in columns else None
+    labels = dataset["labels"] if "labels" in columns else None
+    rows = []
+    for i, ids in enumerate(dataset["input_ids"]):
+        row = {"input_ids": list(ids)}
+        if masks is not None and 0 in masks[i]:
+            row["attention_mask"] = list(masks[i])
+        if labels is not None:
+            if len(labels[i]) != len(ids):
+                raise DataError(f"row {i} has {len(labels[i])} labels for {len(ids)} input_ids: the labels column must "
+                                f"align with input_ids (unshifted, {IGNORE_INDEX} where no target)")
+            row["labels"] = list(labels[i])
+            targets = sum(label != IGNORE_INDEX for label in row["labels"][1:])  # the first label predicts nothing
+        else:
+            targets = (sum(row["attention_mask"]) if "attention_mask" in row else len(row["input_ids"])) - 1
+        if targets > 0:  # a single token, or labels all ignored, is no target
+            rows.append(row)
+    return rows
+
+
+def column_texts(dataset, column: str, option: str) -> list[str]:
+    """The texts of ``column``, blank ones (empty, None, whitespace only) left out.  A column that holds
+    no strings (chat messages, numbers, token lists) is refused naming its type; ``option``: the
+    caller's flag for the column."""
+    if column not in dataset.column_names:
+        raise DataError(f"no column {column!r} in the dataset (columns: {dataset.column_names}); use {option}")
+    feature = dataset.features[column]
+    if getattr(feature, "dtype", None) not in ("string", "large_string"):
+        inner = getattr(feature, "feature", None)
+        chat = isinstance(inner, dict) and "content" in inner
+        raise DataError(f"column {column!r} holds {feature}, not text (a string per row): pass a column of strings "
+                        f"with {option}" + ("; render chat messages to a string column first (e.g. with the "
+                                            "tokenizer's apply_chat_template(..., tokenize=False))" if chat else ""))
+    return [text for text in dataset[column] if text and not text.isspace()]
+
+
+def bos_prefix(tokenizer) -> list[int]:
+    """[BOS] where the tokenizer starts what it encodes with it (Llama's), else [] (GPT-2's adds nothing):
+    a document, or a prompt, then starts as the model sees text at inference."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return []
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    ids = tokenizer("a")["input_ids"]
+    return [bos] if ids[:1] == [bos] and ids[1:len(plain) + 1] == plain else []
+
+
 def token_stream(texts, tokenizer) -> list[int]:
-    """The token ids of the non-empty ``texts``, concatenated, each followed by the tokenizer's EOS
-    where it has one (a tokenizer without EOS, e.g. a WordLevel one, has None there: no separator
-    then).  Shared by both command lines (``hf-mhce rbe``, ``hf-mhce train``).  A stream of special
-    tokens only is refused: the tokenizer is not the text's."""
+    """The token ids of the non-empty ``texts`` (documents), concatenated, each preceded by BOS where the
+    tokenizer adds one (bos_prefix) and followed by its EOS where it has one (a tokenizer without EOS,
+    e.g. a WordLevel one, has None there: no separator then).  Shared by both command lines (``hf-mhce
+    rbe``, ``hf-mhce train``).  A stream of special tokens only is refused: the tokenizer is not the
+    text's."""
     stream: list[int] = []
-    eos = tokenizer.eos_token_id
+    first = bos_prefix(tokenizer)
+    last = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     for text in texts:
         if text:
-            stream.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if eos is not None:
-                stream.append(eos)
+            stream += first + tokenizer(text, add_special_tokens=False)["input_ids"] + last
     special = set(tokenizer.all_special_ids)
     if stream and all(t in special for t in stream):  # e.g. all <unk>, or nothing but the EOS separators
         raise DataError(f"the tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) turns the text into "

@@ -4,7 +4,9 @@ RBE decomposition, on the embedded corpus (no downloads) or on real data."""
 import sys
 
 from .arguments import ALL_ARGUMENTS, DataArguments, LoraArguments, LossArguments, ModelArguments, TrainArguments
-from .job import run
+from .job import end_distributed, refused, run
+
+PROG = "hf-mhce train"
 
 
 def parse(argv: list[str] | None = None):
@@ -13,35 +15,64 @@ def parse(argv: list[str] | None = None):
 
     # allow_abbrev=False: `given` below reads the options as written, so an abbreviation argparse would
     # accept (--num_train_epoch) must be refused, not silently left out of it
-    parser = HfArgumentParser(ALL_ARGUMENTS, prog="hf-mhce train", allow_abbrev=False,
+    parser = HfArgumentParser(ALL_ARGUMENTS, prog=PROG, allow_abbrev=False,
                               description="Train a causal LM with hf_mhce's fused CE / MHCE and RBE evaluation.")
-    if argv and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        parsed = (parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file)(argv[0])
-        given = set(_file_keys(argv[0]))
-    else:
-        *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-        if unknown:  # argparse's usage error, as for any other bad option (not a ValueError traceback)
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        given = {a[2:].split("=", 1)[0].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
-                 if a.startswith("--")}
+    # argparse's usage error, as for any other bad option: a ValueError of TrainingArguments' own checks
+    # (or of an options file) is a wrong option, not a failure to show as a traceback
+    source = ""  # where the options come from, in messages
+    try:
+        if argv and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+            source, options = f"{argv[0]}: ", _file_options(argv[0], parser)
+            parsed, given = parser.parse_dict(options), set(options)
+        else:
+            *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+            if unknown:
+                parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            given = {a[2:].split("=", 1)[0].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
+                     if a.startswith("--")}
+    except ValueError as err:
+        parser.error(f"{source}{err}")
     if "num_train_epochs" in given and "max_steps" not in given:  # else the job's default max_steps wins
         parsed[-1].max_steps = -1
     return tuple(parsed)
 
 
-def _file_keys(path: str) -> list[str]:
+def _file_options(path: str, parser) -> dict:
+    """The mapping of option names to values a .json / .yaml file holds; anything else is a usage error."""
     import json
 
-    with open(path) as f:
-        if path.endswith(".json"):
-            return list(json.load(f))
-        import yaml
+    import yaml
 
-        return list(yaml.safe_load(f) or {})
+    try:
+        with open(path, encoding="utf-8") as f:
+            options = json.load(f) if path.endswith(".json") else yaml.safe_load(f)
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        parser.error(f"cannot read the options file {path}: {err}")
+    if not isinstance(options, dict):
+        held = "nothing" if options is None else f"a {type(options).__name__}"
+        parser.error(f"the options file {path} holds {held}: it must map option names to values "
+                     "(YAML lines like `max_steps: 100`, or a JSON object)")
+    return options
 
 
 def main(argv: list[str] | None = None) -> dict:
     return run(*parse(argv))
 
 
-__all__ = ["DataArguments", "LoraArguments", "LossArguments", "ModelArguments", "TrainArguments", "main", "parse", "run"]
+def cli(argv: list[str] | None = None) -> int:
+    """``hf-mhce train`` on the command line: a refusal of the options or the data (job.refused: raised
+    before training starts) is printed as argparse prints a usage error, with exit status 2, not as a
+    traceback; an error during training keeps its traceback."""
+    try:
+        main(argv)
+    except ValueError as err:
+        if not refused(err):
+            raise
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    end_distributed()
+    return 0
+
+
+__all__ = ["DataArguments", "LoraArguments", "LossArguments", "ModelArguments", "TrainArguments", "cli", "main", "parse",
+           "run"]

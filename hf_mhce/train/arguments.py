@@ -4,6 +4,7 @@ below make the embedded run finish in a few minutes on two CPU cores."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -118,8 +119,6 @@ def requested_loss(loss_args, saved: dict | None) -> tuple[str | None, int | Non
 def checkpoint_facts(path: str, trust_remote_code: bool = False) -> tuple[dict | None, object]:
     """patching.config.checkpoint_config of --model, after naming a local path that does not exist.
     An adapter saved without hf_mhce.json gets its base's record, as from_pretrained gives it."""
-    import os
-
     from ..patching.config import CONFIG_KEY, adapter_base, checkpoint_config
     from ..rbe.data import looks_like_a_path, remote_code_option
 
@@ -193,6 +192,13 @@ def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict |
     loss, heads = requested_loss(loss_args, saved)
     cfg = explained(resolve_config, saved, None, loss, heads,
                     {"label_smoothing": loss_args.label_smoothing, "z_loss": loss_args.z_loss}, loss_args.override_saved)
+    if config is not None:  # a longer block fails in the model's position embedding, mid-training
+        from ..cli import block_size_refusal, config_max_positions
+
+        too_long = block_size_refusal("--block_size", data_args.block_size, model_args.model,
+                                      *config_max_positions(config))
+        if too_long:
+            raise ValueError(too_long)
     hidden = getattr(config, "hidden_size", None) if config is not None else model_args.hidden_size
     if cfg.loss == "mhce" and hidden and hidden % cfg.num_heads:
         where = f"the hidden size {hidden} of {model_args.model}" if config is not None else f"--hidden_size {hidden}"
@@ -202,11 +208,15 @@ def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict |
 
 def check_schedule(training_args) -> None:
     """A run that would train nothing (max_steps 0, or no steps and no epochs) saves an untrained model
-    whose card says it was trained: refused instead."""
+    whose card says it was trained: refused instead, as is a --resume_from_checkpoint that is not there."""
     steps, epochs = training_args.max_steps, training_args.num_train_epochs
     if steps == 0 or (steps < 0 and not epochs > 0):
         raise ValueError(f"--max_steps {steps} with --num_train_epochs {epochs} trains nothing: give a positive "
                          "--max_steps, or --num_train_epochs without --max_steps")
+    resume = training_args.resume_from_checkpoint
+    if resume and not os.path.isdir(resume):  # else the Trainer says so after the data is read and the model built
+        raise ValueError(f"--resume_from_checkpoint {resume}: no such checkpoint directory (a checkpoint-N folder "
+                         "of an earlier run with --save_strategy steps or epoch)")
 
 
 def fuse_label_smoothing(loss_args, training_args) -> None:

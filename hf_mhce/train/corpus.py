@@ -49,8 +49,8 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
 
 
 def token_blocks(texts: list[str], tokenizer, block_size: int, max_blocks: int | None = None) -> list[list[int]]:
-    """Texts joined with EOS (rbe.data.token_stream) and cut into full blocks of ``block_size`` tokens
-    (the tail is dropped)."""
+    """Texts joined as rbe.data.token_stream joins them (each with BOS where the tokenizer adds one, then
+    EOS) and cut into full blocks of ``block_size`` tokens (the tail is dropped)."""
     stream = token_stream(texts, tokenizer)
     blocks = [stream[i:i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
     return blocks[:max_blocks] if max_blocks is not None else blocks

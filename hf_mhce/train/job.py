@@ -6,6 +6,7 @@ Writes to ``output_dir``: the model (with its hf_mhce loss config and card), the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -88,24 +89,39 @@ def build_datasets(data_args):
     if data_args.dataset is None:
         train, held_out = corpus.embedded_texts()
         return train, {"docs": held_out, "code": corpus.stdlib_code_texts()}
-    from ..rbe.data import DataError, load_texts
+    from ..rbe.data import DataError, column_texts, load_texts
 
     train_ds = load_texts(data_args.dataset, data_args.train_split, data_args.dataset_config, "--train_split")
-    if data_args.text_column not in train_ds.column_names:
-        raise ValueError(f"no column {data_args.text_column!r} in {data_args.dataset!r} "
-                         f"(columns: {train_ds.column_names}); use --text_column")
-    train = [t for t in train_ds[data_args.text_column] if t]
+    train = column_texts(train_ds, data_args.text_column, "--text_column")
+    if not train:
+        raise DataError(f"no text in column {data_args.text_column!r} of {data_args.dataset!r}: every row is empty "
+                        "or blank")
     try:
         eval_ds = load_texts(data_args.dataset, data_args.eval_split, data_args.dataset_config, "--eval_split")
-        held_out = [t for t in eval_ds[data_args.text_column] if t]
     except DataError:
         if data_args.eval_split != DEFAULT_EVAL_SPLIT:  # asked for by name: a misspelling must not pass silently
             raise
-        held_out = None  # no such split (a single file, say): hold out a share of the training text
+        eval_ds = None  # no such split (a single file, say): hold out a share of the training text
+    held_out = None if eval_ds is None else column_texts(eval_ds, data_args.text_column, "--text_column")
     if held_out is None or (eval_ds.num_rows == train_ds.num_rows and held_out == train):
-        cut = max(1, int(len(train) * (1 - data_args.eval_fraction)))
-        train, held_out = train[:cut], train[cut:]
+        train, held_out = hold_out(train, data_args.eval_fraction)
     return train, {"eval": held_out}
+
+
+def hold_out(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:
+    """(train, held out): the last ``fraction`` of the texts; a single one (a text file is one document)
+    is cut at the first line break after that share of its characters."""
+    if len(texts) > 1:
+        cut = max(1, int(len(texts) * (1 - fraction)))
+        return texts[:cut], texts[cut:]
+    if not texts:
+        return [], []
+    text = texts[0]
+    cut = int(len(text) * (1 - fraction))
+    line = text.find("\n", cut)
+    if 0 <= line < len(text) - 1:  # else no line break before the end: cut inside the line
+        cut = line + 1
+    return [text[:cut]], [text[cut:]]
 
 
 def clear_previous_save(directory: str, adapter: bool) -> None:
@@ -126,22 +142,23 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     from transformers import Trainer, default_data_collator, set_seed
 
     started = time.time()
-    check_schedule(training_args)
-    saved, config = check_arguments(model_args, data_args, loss_args, lora_args)
-    fuse_label_smoothing(loss_args, training_args)
-    set_seed(training_args.seed)
-    train_texts, eval_texts = build_datasets(data_args)
-    tokenizer = build_tokenizer(model_args, train_texts, config)
-    block = data_args.block_size
-    train_ds = corpus.lm_dataset(corpus.token_blocks(train_texts, tokenizer, block, data_args.max_train_blocks),
-                                 "the training set")
-    eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks),
-                                       f"eval set {name!r}") for name, texts in eval_texts.items()}
-    model = add_lora(build_model(model_args, loss_args, tokenizer, saved), lora_args)
-    n_params = sum(p.numel() for p in model.parameters())
-    rbe = RBECallback(plot=loss_args.rbe_plots)
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-                      data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
+    with _refusing():
+        check_schedule(training_args)
+        saved, config = check_arguments(model_args, data_args, loss_args, lora_args)
+        fuse_label_smoothing(loss_args, training_args)
+        set_seed(training_args.seed)
+        train_texts, eval_texts = build_datasets(data_args)
+        tokenizer = build_tokenizer(model_args, train_texts, config)
+        block = data_args.block_size
+        train_ds = corpus.lm_dataset(corpus.token_blocks(train_texts, tokenizer, block, data_args.max_train_blocks),
+                                     "the training set")
+        eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks),
+                                           f"eval set {name!r}") for name, texts in eval_texts.items()}
+        model = add_lora(build_model(model_args, loss_args, tokenizer, saved), lora_args)
+        n_params = sum(p.numel() for p in model.parameters())
+        rbe = RBECallback(plot=loss_args.rbe_plots)
+        trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
+                          data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     final = trainer.evaluate()
     if trainer.is_world_process_zero():
@@ -171,6 +188,26 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     return summary
 
 
+_REFUSED = "hf_mhce_refused"  # set on a ValueError raised before training starts
+
+
+@contextlib.contextmanager
+def _refusing():
+    """Around everything before the first training step: a ValueError raised there refuses the options
+    or the data, which the command line prints as a usage error (``refused``); one raised later (a
+    failure of training itself) keeps its traceback."""
+    try:
+        yield
+    except ValueError as err:
+        setattr(err, _REFUSED, True)
+        raise
+
+
+def refused(err: BaseException) -> bool:
+    """Whether ``err`` is a refusal of the options or the data (see ``_refusing``)."""
+    return getattr(err, _REFUSED, False)
+
+
 def end_distributed() -> None:
     """At the end of a launched script (``accelerate launch``, ``torchrun``): meet the other
     processes, then shut the process group down here rather than in the interpreter's exit-time
@@ -188,7 +225,10 @@ def generate_sample(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """Greedy continuation (for MHCE models the mixture's log-probs drive generation)."""
     model.eval()
     device = next(model.parameters()).device
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].to(device)
+    from ..rbe.data import bos_prefix
+
+    # the prompt starts as the training documents do (token_stream): with BOS where the tokenizer adds one
+    ids = torch.tensor([bos_prefix(tokenizer) + tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=device)
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return tokenizer.decode(out[0], skip_special_tokens=True)

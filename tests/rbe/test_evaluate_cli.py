@@ -194,11 +194,8 @@ def test_cli_rbe(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
 
-    # the same blocks in-process: texts -> EOS-separated stream -> blocks of 16 tokens
-    stream = []
-    for line in TEXT.splitlines():
-        if line:
-            stream += tokenizer(line, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    # the same blocks in-process: the file is one document -> its tokens and EOS -> blocks of 16 tokens
+    stream = tokenizer(TEXT, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     rows = [{"input_ids": stream[i:i + 16]} for i in range(0, len(stream), 16)]
     rows = [r for r in rows if len(r["input_ids"]) > 1]
     assert len(rows) >= 3
@@ -252,7 +249,7 @@ def test_a_directory_without_data_is_named(tmp_path):
         load_texts(str(tmp_path / "notes"))
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text("one line\nanother line\n")
-    assert load_texts(str(tmp_path / "texts"), split="train")["text"] == ["one line", "another line"]
+    assert load_texts(str(tmp_path / "texts"), split="train")["text"] == ["one line\nanother line\n"]  # a document
 
 
 def test_evaluate_bare_token_id_rows():
