@@ -147,7 +147,7 @@ def run(args, device, dtype) -> list[dict]:
     start = time.monotonic()
     deadline = start + args.budget_s
     timer = Timer(device, args.reps)
-    d, v = (48, 1031) if args.small else (4096, 128256)
+    d, v = (48, 263) if args.small else (4096, 128256)
     n_big, n_small = (45, 20) if args.small else (16384, 4096)
     fwd_tiles, bwd_tiles = (SMALL_TILES, SMALL_TILES) if args.small else (FORWARD, BACKWARD)
     tol = tolerance(dtype)

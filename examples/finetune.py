@@ -67,10 +67,11 @@ from hf_mhce.train.job import end_distributed
 # embedded "code" evaluation set of hf_mhce.train.corpus).
 CODE_MODULES = ("argparse", "calendar", "configparser", "csv", "dataclasses", "difflib", "fractions", "heapq",
                 "ipaddress", "pprint", "statistics", "enum")
-# --quick: what the test runs; options given on the command line still win.
+# --quick: what the test runs; options given on the command line still win.  Fine-tuning evaluates at
+# the start, at its last step (each evaluation writes the RBE plots) and at the end.
 QUICK = ["--vocab_size", "300", "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64",
          "--block_size", "32", "--max_train_blocks", "64", "--max_eval_blocks", "8", "--max_steps", "6",
-         "--eval_steps", "3", "--logging_steps", "3", "--per_device_train_batch_size", "4",
+         "--eval_steps", "6", "--logging_steps", "3", "--per_device_train_batch_size", "4",
          "--per_device_eval_batch_size", "4", "--pretrain_steps", "6", "--warmup_steps", "1"]
 
 

@@ -1,39 +1,63 @@
 """The GPU benchmark scripts, run end to end on CPU at tiny shapes with the Triton interpreter.
 
 Device time is scarce (a session may get a GPU for 30 minutes, or none): a script that breaks on a
-renamed option or a changed API must fail here, not on the device.  Each script runs as a
-subprocess (TRITON_INTERPRET=1 has to be set before triton is imported), writes its record, and
-the record's correctness columns are checked: a harness that times wrong answers is no harness.
+renamed option or a changed API must fail here, not on the device.  The scripts run one after the
+other in one subprocess (TRITON_INTERPRET=1 has to be set before triton is imported), each with its
+own --out; each writes its record, and the record's correctness columns are checked: a
+harness that times wrong answers is no harness.
 Timings at these shapes mean nothing and are not looked at.
 """
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from script_runs import output, run_scripts
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 BF16_TOL = 1e-2  # relative L2 of bf16 dX / dW against float32/float64 references at these sizes
 
+# The scripts one after the other in one interpreter (tests/script_runs.py): the tests share one start
+# (torch, triton, hf_mhce imported once) instead of five; each run has its own --out.
+RUNS = {
+    # 9 tokens: one partial row block (the interpreter's time grows with the blocks; kernels are checked in tests/ops)
+    "peers": ["peers", "--device", "cpu", "--small", "--tokens", "9", "--reps", "1", "--rotate", "1", "--variants",
+              "hf_eager", "liger", "hf_mhce_ce", "hf_mhce_mhce4", "hf_mhce_ranks", "slab_fwdgrad"],
+    # V = 263: 9 vocabulary tiles under the interpreter (BLOCK_V 32), the last partial, like every tiny shape here
+    **{f"gpu_suite_{name}": ["gpu_suite", "--device", "cpu", "--small", "--tokens", "21", "--vocab", "263",
+                             "--hidden", "24", "--heads", "2", "--dtypes", "float32", "bfloat16", "--reps", "1",
+                             "--lora-rank", rank]
+       for name, rank in (("plain", "0"), ("low_rank", "2"))},
+    # a budget of over 3x the setup (inputs, their statistics: ~3 s here): the first settings run, on a busy machine too
+    "tile_sweep": ["tile_sweep", "--device", "cpu", "--small", "--reps", "1", "--budget-s", "10"],
+    "gpu_ties": ["gpu_ties", "--device", "cpu", "--small", "--heads", "1", "2"],
+}
 
-def _run(script: str, *args: str, out: Path) -> list[dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(BENCH / script), *args, "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+@pytest.fixture(scope="module")
+def run_all(tmp_path_factory):
+    base = tmp_path_factory.mktemp("bench")
+    runs = {name: [str(BENCH / f"{script}.py"), *argv, "--out", str(base / name)] for name, (script, *argv) in RUNS.items()}
+    for name in RUNS:
+        (base / name).mkdir()
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return base, run_scripts(runs, base, env, timeout=1000)
+
+
+def _run(run_all, name: str) -> list[dict]:
+    base, status = run_all
+    assert status[name] == 0, (status[name], *(text[-4000:] for text in output(base, name)))
+    out = base / name
     records = sorted(out.glob("*.json"))
     assert len(records) == 1 and records[0].with_suffix(".md").is_file(), list(out.iterdir())
     return json.loads(records[0].read_text())
 
 
-def test_peers_table(tmp_path):
+def test_peers_table(run_all):
     variants = ["hf_eager", "liger", "hf_mhce_ce", "hf_mhce_mhce4", "hf_mhce_ranks", "slab_fwdgrad"]
-    # 9 tokens: one partial row block (the interpreter's time grows with the blocks; kernels are checked in tests/ops)
-    rows = _run("peers.py", "--device", "cpu", "--small", "--tokens", "9", "--reps", "1", "--rotate", "1",
-                "--variants", *variants, out=tmp_path)
+    assert RUNS["peers"][-len(variants):] == variants
+    rows = _run(run_all, "peers")
     by_name = {r["variant"]: r for r in rows}
     assert list(by_name) == variants
     note = by_name["liger"]["note"]  # a peer that cannot run here is a row that says why
@@ -46,15 +70,13 @@ def test_peers_table(tmp_path):
         if name != "hf_mhce_ranks":  # forward only (evaluation)
             assert r["dx_rel_err"] < BF16_TOL and r["dw_rel_err"] < BF16_TOL, r
             assert r["fwd_bwd_ms"] > 0
-    table = next(tmp_path.glob("*.md")).read_text()
+    table = next((run_all[0] / "peers").glob("*.md")).read_text()
     assert "| hf_mhce_mhce4 |" in table and "floor" in table
 
 
 @pytest.mark.parametrize("lora", [0, 2], ids=["plain", "low_rank"])
-def test_gpu_suite(tmp_path, lora):
-    rows = _run("gpu_suite.py", "--device", "cpu", "--small", "--tokens", "21", "--vocab", "517", "--hidden", "24",
-                "--heads", "2", "--dtypes", "float32", "bfloat16", "--reps", "1", "--lora-rank", str(lora),
-                out=tmp_path)
+def test_gpu_suite(run_all, lora):
+    rows = _run(run_all, f"gpu_suite_{'low_rank' if lora else 'plain'}")
     assert [(r["dtype"], r["heads"]) for r in rows] == [("float32", 2), ("bfloat16", 2)]
     grads = ["err_dx", "err_db"] + (["err_du", "err_dlb"] if lora else ["err_dw"])
     for r in rows:
@@ -64,8 +86,8 @@ def test_gpu_suite(tmp_path, lora):
             assert all(r[k] <= 2 * r[f"eager_{k}"] + 1e-3 for k in ["err_loss", *grads]), r
 
 
-def test_tile_sweep(tmp_path):
-    rows = _run("tile_sweep.py", "--device", "cpu", "--small", "--reps", "1", "--budget-s", "20", out=tmp_path)
+def test_tile_sweep(run_all):
+    rows = _run(run_all, "tile_sweep")
     assert {r["stage"] for r in rows} == {"forward tiles", "forward splits", "backward tiles", "backward groups"}
     timed = [r for r in rows if "ms" in r]
     assert timed, rows  # the budget lets the first settings run
@@ -74,8 +96,8 @@ def test_tile_sweep(tmp_path):
     assert all(r["rel_err_vs_default"] <= 2e-3 for r in timed), timed
 
 
-def test_gpu_ties(tmp_path):
-    rows = _run("gpu_ties.py", "--device", "cpu", "--small", "--heads", "1", "2", out=tmp_path)
+def test_gpu_ties(run_all):
+    rows = _run(run_all, "gpu_ties")
     assert [(r["dtype"], r["heads"]) for r in rows] == [("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
     for r in rows:
         assert r["wrong_ranks"] == 0 and r["duplicates_ranked_above"] == 0, r

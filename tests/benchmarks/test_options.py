@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from script_runs import output, run_scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -199,20 +200,21 @@ def test_default_out_is_the_checkout_results_whatever_the_cwd(monkeypatch, tmp_p
 
 def test_compile_check_partial_run_and_refusal(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OUT")}
-    full = tmp_path / f"compile-check-{today()}.json"
+    records = tmp_path / "records"
+    records.mkdir()
+    full = records / f"compile-check-{today()}.json"
     full.write_text("the full record")
-
-    def run(*argv):
-        return subprocess.run([sys.executable, str(BENCH / "compile_check.py"), *argv, "--out", str(tmp_path)],
-                              env=env, capture_output=True, text=True, timeout=300)
-
-    proc = run("--arch", "sm_80", "--variants", "ce fp32")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert (tmp_path / f"compile-check-{today()}-arch_sm_80-variants_ce-fp32.json").is_file()
+    # a partial run, then the full run (refused before compiling anything), in one interpreter (tests/script_runs.py)
+    script = str(BENCH / "compile_check.py")
+    runs = {"partial": [script, "--arch", "sm_80", "--variants", "ce fp32", "--out", str(records)],
+            "full": [script, "--out", str(records)]}
+    status = run_scripts(runs, tmp_path, env, timeout=300)
+    assert status["partial"] == 0, output(tmp_path, "partial")
+    assert (records / f"compile-check-{today()}-arch_sm_80-variants_ce-fp32.json").is_file()
     assert full.read_text() == "the full record"
-    proc = run()  # refused before compiling anything
-    assert proc.returncode == 2 and "exists, and a run never replaces a record" in proc.stderr, proc.stderr
-    assert not proc.stdout
+    stdout, stderr = output(tmp_path, "full")
+    assert status["full"] == 2 and "exists, and a run never replaces a record" in stderr, stderr
+    assert not stdout
 
 
 def _device_run(tmp_path, *args, cwd=None, fake=None):

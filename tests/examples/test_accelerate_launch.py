@@ -18,29 +18,62 @@ CONFIG = ROOT / "examples" / "accelerate" / "cpu_multi_process.yaml"
 ENV = child_env()
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A small MHCE (H=2) checkpoint from the main job, as a user's --model."""
-    path = tmp_path_factory.mktemp("ckpt") / "model"
-    cmd = [sys.executable, "-m", "hf_mhce.cli", "train", "--output_dir", str(path), "--vocab_size", "300",
-           "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64", "--block_size", "32",
-           "--max_train_blocks", "16", "--max_eval_blocks", "4", "--max_steps", "2", "--eval_strategy", "no",
-           "--per_device_train_batch_size", "4", "--no_rbe_plots", "--sample_tokens", "2", "--num_heads", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=150, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return path
+LORA = ["--lora_r", "4", "--lora_target_modules", "q_proj,v_proj,lm_head", "--no_merge_lora"]
+EXTRA = {"full": [], "lora_attention_and_head": LORA}
+# A small MHCE (H=2) checkpoint from the main job (``hf-mhce train`` is hf_mhce.train.main), as a user's
+# --model; then the one-process run of finetune.py (its main(argv)) for each case, all in one process
+# started once.  A case that fails is recorded (its traceback printed), and the next one still runs.
+ONE_PROCESS = r"""
+import json, sys, traceback
+examples, status_file, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.path.insert(0, examples)  # what `python examples/finetune.py` puts first
+import hf_mhce.train
+hf_mhce.train.main(runs.pop("checkpoint"))
+import finetune
+status = {}
+for case, argv in runs.items():
+    try:
+        finetune.main(argv)
+        status[case] = "ok"
+    except BaseException as err:
+        traceback.print_exc()
+        status[case] = f"{type(err).__name__}: {err}"
+with open(status_file, "w") as f:
+    json.dump(status, f)
+"""
 
 
-def _finetune(out: Path, checkpoint: Path, processes: int, extra: list[str]) -> dict:
-    args = ["--quick", "--model", str(checkpoint), "--out", str(out), "--max_steps", "4", "--logging_steps", "1",
-            "--eval_steps", "2", "--per_device_train_batch_size", str(4 // processes),
+def _args(out: Path, checkpoint: Path, processes: int, extra: list[str]) -> list[str]:
+    return ["--quick", "--model", str(checkpoint), "--out", str(out), "--max_steps", "4", "--logging_steps", "1",
+            "--eval_steps", "4", "--per_device_train_batch_size", str(4 // processes),
             "--per_device_eval_batch_size", "2", "--report_to", "none", "--use_cpu", *extra]
-    if processes == 1:
-        cmd = [sys.executable, str(FINETUNE), *args]
-    else:
-        launcher = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
-        cmd = [launcher, "launch", "--config_file", str(CONFIG), "--main_process_port", str(free_port()),
-               str(FINETUNE), *args]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """(checkpoint, {case: results.json of the one-process run, or the failure})."""
+    base = tmp_path_factory.mktemp("one_process")
+    checkpoint = base / "ckpt"
+    runs = {"checkpoint": ["--output_dir", str(checkpoint), "--vocab_size", "300", "--hidden_size", "32",
+                           "--num_hidden_layers", "1", "--intermediate_size", "64", "--block_size", "32",
+                           "--max_train_blocks", "16", "--max_eval_blocks", "4", "--max_steps", "2",
+                           "--eval_strategy", "no", "--per_device_train_batch_size", "4", "--no_rbe_plots",
+                           "--sample_tokens", "2", "--num_heads", "2"],
+            **{case: _args(base / case, checkpoint, 1, extra) for case, extra in EXTRA.items()}}
+    status_file = base / "status.json"
+    proc = subprocess.run([sys.executable, "-c", ONE_PROCESS, str(FINETUNE.parent), str(status_file),
+                           json.dumps(runs)], capture_output=True, text=True, env=ENV, timeout=480, cwd=str(ROOT))
+    assert proc.returncode == 0 and status_file.is_file(), (proc.stdout[-3000:], proc.stderr[-5000:])
+    status = json.loads(status_file.read_text())
+    return checkpoint, {case: (json.loads((base / case / "results.json").read_text()) if status[case] == "ok"
+                               else (status[case], proc.stderr[-5000:])) for case in EXTRA}
+
+
+def _launch(out: Path, checkpoint: Path, extra: list[str]) -> dict:
+    """finetune.py under accelerate launch, two processes."""
+    launcher = shutil.which("accelerate", path=os.path.dirname(sys.executable)) or "accelerate"
+    cmd = [launcher, "launch", "--config_file", str(CONFIG), "--main_process_port", str(free_port()),
+           str(FINETUNE), *_args(out, checkpoint, 2, extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=240, cwd=str(ROOT))
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
     return json.loads((out / "results.json").read_text())
@@ -51,11 +84,13 @@ def _curve(result: dict) -> list[tuple[int, float]]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora_attention_and_head"])
-def test_two_processes_match_one(tmp_path, checkpoint, lora):
-    extra = ["--lora_r", "4", "--lora_target_modules", "q_proj,v_proj,lm_head", "--no_merge_lora"] if lora else []
-    one = _finetune(tmp_path / "one", checkpoint, 1, extra)
-    two = _finetune(tmp_path / "two", checkpoint, 2, extra)
+@pytest.mark.parametrize("case", list(EXTRA))
+def test_two_processes_match_one(tmp_path, one_process, case):
+    checkpoint, results = one_process
+    one = results[case]
+    assert isinstance(one, dict), one  # else (the one-process run's failure, its output)
+    two = _launch(tmp_path / "two", checkpoint, EXTRA[case])
+    lora = case != "full"
     assert one["config"]["world_size"] == 1 and two["config"]["world_size"] == 2
     assert one["config"]["loss"] == two["config"]["loss"] == {**one["config"]["loss"], "loss": "mhce", "num_heads": 2}
     curve1, curve2 = _curve(one), _curve(two)

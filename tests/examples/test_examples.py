@@ -1,15 +1,16 @@
 """examples/mhce_vs_ce.py, rbe_scaling.py and finetune.py at their reduced size (--quick: the same
-code path as the default runs, smaller options), plus the analysis helpers on synthetic numbers."""
+code path as the default runs, smaller options), run as scripts in one process (RUNS), plus the
+analysis helpers on synthetic numbers."""
 
 import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_runs import output, run_scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -27,11 +28,39 @@ def load(name):
     return module
 
 
-def run_script(name, *args, timeout=110):
-    proc = subprocess.run([sys.executable, str(EXAMPLES / f"{name}.py"), *args], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+# The example runs of the tests below, as `python examples/<script>.py ARGS` would run them, one after
+# the other in one process started once (tests/script_runs.py): torch, transformers and hf_mhce are
+# imported once instead of once per script.  ("{out}" is the run's output folder.)
+RUNS = {
+    "mhce_vs_ce": ["mhce_vs_ce", "--quick", "--workers", "1", "--out", "{out}"],
+    # --workers 2: hf-mhce train subprocesses; the same runs H=1, 2 as "mhce_vs_ce" (in its process)
+    "mhce_vs_ce_workers_2": ["mhce_vs_ce", "--quick", "--heads", "1", "2", "--out", "{out}", "--workers", "2"],
+    "rbe_scaling": ["rbe_scaling", "--quick", "--workers", "1", "--out", "{out}"],
+    "finetune": ["finetune", "--quick", "--out", "{out}"],
+}
+USES = {"test_mhce_vs_ce_quick": ["mhce_vs_ce"],
+        "test_parallel_workers_match_in_process": ["mhce_vs_ce", "mhce_vs_ce_workers_2"],
+        "test_rbe_scaling_quick": ["rbe_scaling"], "test_finetune_quick_pretrains_then_finetunes": ["finetune"]}
+
+
+@pytest.fixture(scope="module")
+def example_runs(request, tmp_path_factory):
+    """(base folder, {name: exit status}) of the RUNS that the selected tests of this module use."""
+    here = Path(__file__).resolve()
+    selected = {item.name for item in request.session.items if Path(item.path).resolve() == here}
+    names = [n for n in RUNS if any(n in USES[t] for t in selected if t in USES)]
+    base = tmp_path_factory.mktemp("examples")
+    runs = {n: [str(EXAMPLES / f"{script}.py"), *(a.replace("{out}", str(base / n)) for a in args)]
+            for n, (script, *args) in RUNS.items() if n in names}
+    return base, run_scripts(runs, base, ENV, timeout=600, cwd=str(ROOT))
+
+
+def run_script(example_runs, name):
+    """(out folder, stdout) of RUNS[name], which must have succeeded."""
+    base, status = example_runs
+    stdout, stderr = output(base, name)
+    assert status[name] == 0, (status[name], stdout[-3000:] + stderr[-3000:])
+    return base / name, stdout
 
 
 def table_rows(path):
@@ -63,10 +92,9 @@ def assert_card(model_dir, loss, heads=None):
         assert f"mixture of {heads} softmaxes" in card and "hf_mhce.from_pretrained" in card
 
 
-@pytest.mark.timeout(120)
-def test_mhce_vs_ce_quick(tmp_path):
-    out = tmp_path / "mvc"
-    stdout = run_script("mhce_vs_ce", "--quick", "--workers", "1", "--out", str(out))
+@pytest.mark.timeout(600)  # with example_runs: every example run of this module
+def test_mhce_vs_ce_quick(example_runs):
+    out, stdout = run_script(example_runs, "mhce_vs_ce")
     for name in ("table.md", "results.json"):
         assert (out / name).stat().st_size > 0
     assert_png(out / "mhce_vs_ce.png")
@@ -97,10 +125,9 @@ def test_mhce_vs_ce_quick(tmp_path):
         assert_card(run, "ce" if h == 1 else "mhce", h)
 
 
-@pytest.mark.timeout(120)
-def test_rbe_scaling_quick(tmp_path):
-    out = tmp_path / "scaling"
-    stdout = run_script("rbe_scaling", "--quick", "--workers", "1", "--out", str(out))
+@pytest.mark.timeout(600)
+def test_rbe_scaling_quick(example_runs):
+    out, stdout = run_script(example_runs, "rbe_scaling")
     assert_png(out / "rbe_scaling.png")
     res = json.loads((out / "results.json").read_text())
     sizes = res["config"]["sizes"]
@@ -124,26 +151,28 @@ def test_rbe_scaling_quick(tmp_path):
         assert_card(out / "runs" / size, "ce")
 
 
-@pytest.mark.timeout(120)
-def test_parallel_workers_match_in_process(tmp_path):
-    """--workers 2 runs ``hf-mhce train`` subprocesses (the default runs); same numbers as in process."""
-    jobs, argv = [], ["--quick", "--heads", "1", "2", "--out"]
-    for workers in ("1", "2"):
-        run_script("mhce_vs_ce", *argv, str(tmp_path / workers), "--workers", workers)
-        jobs.append(json.loads((tmp_path / workers / "results.json").read_text()))
-    assert jobs[1]["config"]["workers"] == 2
-    assert (tmp_path / "2" / "logs" / "h2_s0.log").is_file()
-    for a, b in zip(jobs[0]["runs"], jobs[1]["runs"]):
-        assert (a["heads"], a["seed"]) == (b["heads"], b["seed"])
+@pytest.mark.timeout(600)
+def test_parallel_workers_match_in_process(example_runs):
+    """--workers 2 runs ``hf-mhce train`` subprocesses (the default runs); same numbers as in process
+    (the runs H=1 and H=2 of the --workers 1 run: each run depends only on its own options and seed)."""
+    parallel_out, _ = run_script(example_runs, "mhce_vs_ce_workers_2")
+    in_process = json.loads((run_script(example_runs, "mhce_vs_ce")[0] / "results.json").read_text())
+    parallel = json.loads((parallel_out / "results.json").read_text())
+    assert in_process["config"]["workers"] == 1 and parallel["config"]["workers"] == 2
+    assert in_process["config"]["options"] == parallel["config"]["options"]
+    assert (parallel_out / "logs" / "h2_s0.log").is_file()
+    assert [(b["heads"], b["seed"]) for b in parallel["runs"]] == [(1, 0), (2, 0)]
+    reference = {(a["heads"], a["seed"]): a for a in in_process["runs"]}
+    for b in parallel["runs"]:
+        a = reference[b["heads"], b["seed"]]
         for key in ("docs_loss", "code_loss", "docs_error_entropy", "code_self_alignment", "train_loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-6), key
 
 
-@pytest.mark.timeout(120)
-def test_finetune_quick_pretrains_then_finetunes(tmp_path):
+@pytest.mark.timeout(600)
+def test_finetune_quick_pretrains_then_finetunes(example_runs):
     """No --model: pretrain with hf-mhce train (MHCE, 4 heads), fine-tune on stdlib code."""
-    out = tmp_path / "ft"
-    stdout = run_script("finetune", "--quick", "--out", str(out))
+    out, stdout = run_script(example_runs, "finetune")
     assert_png(out / "finetune.png")
     res = json.loads((out / "results.json").read_text())
     assert res["config"]["pretrained_here"] and res["config"]["loss"]["loss"] == "mhce"

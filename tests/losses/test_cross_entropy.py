@@ -245,9 +245,9 @@ def _count_matmuls(fn):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_tiny_chunks_match_reference(monkeypatch, reduction):
+def test_tiny_chunks_match_reference(monkeypatch, reduction, single_thread):
     # logits would be 37 x 1031 x 4 B = 150 KB; 0.01 MB = 10 KB chunks force many token and/or
-    # vocabulary chunks.
+    # vocabulary chunks (hundreds of tiny blocks: one intra-op thread, see the single_thread fixture).
     hidden, weight, b, labels = make_inputs((37,), 33, 1031, bias=True, ignore_frac=0.2, logit_std=3.0)
     kw = dict(label_smoothing=0.1, z_loss=1e-3, softcap=4.0)
 

@@ -13,7 +13,8 @@ Cases (name: wrapping, loss):
   fsdp_lora_*      PEFT LoRA on q_proj, v_proj and lm_head, every LoRA matrix its own unit
   unguarded        fsdp_head with hf_mhce's gathering switched off: must raise ShardedHeadError
 
-Usage: sharding_worker.py OUT_JSON
+Usage: sharding_worker.py OUT_JSON [SINGLE_JSON]  (launched with SINGLE_JSON: rank 0 first writes the
+single-process reference there, see launch_helpers.single_reference)
 """
 
 from __future__ import annotations
@@ -112,17 +113,22 @@ CASES = ["fsdp_root_ce", "fsdp_root_mhce", "fsdp_head_ce", "fsdp_head_mhce", "fs
          "unguarded"]
 
 
+def cases(distributed: bool) -> list[str]:
+    return CASES if distributed else ["unpatched", *CASES[:-1]]
+
+
 def main(out: str) -> None:
+    from launch_helpers import finish, single_reference
+
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         import torch.distributed as dist
 
+        single_reference(lambda: {case: step(case, False) for case in cases(False)}, sys.argv[1:])
         dist.init_process_group("gloo")
     results = {}
-    for case in CASES if distributed else ["unpatched", *CASES[:-1]]:
+    for case in cases(distributed):
         results[case] = step(case, distributed)
-    from launch_helpers import finish
-
     finish(results, out, distributed)
 
 

@@ -9,7 +9,8 @@ placeholder, which is what the fused loss must never compute on.
 
 Cases: zero3_ce, zero3_mhce (H=2), zero3_lora_mhce (PEFT LoRA on q_proj, v_proj, lm_head).
 
-Usage: zero3_worker.py OUT_JSON
+Usage: zero3_worker.py OUT_JSON [SINGLE_JSON]  (launched with SINGLE_JSON: rank 0 first writes the
+single-process reference there, see launch_helpers.single_reference)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from launch_helpers import finish  # noqa: E402
+from launch_helpers import finish, single_reference  # noqa: E402
 from sharding_worker import ROWS, build, global_batch, loss_options  # noqa: E402
 
 CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce"]
@@ -67,6 +68,7 @@ def step(case: str, distributed: bool) -> dict:
 def main(out: str) -> None:
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
+        single_reference(lambda: {case: step(case, False) for case in CASES}, sys.argv[1:])
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")

@@ -10,7 +10,8 @@ placeholder's shape.
 
 Cases: ce, lora_mhce (PEFT LoRA on q_proj, v_proj and lm_head; MHCE H=2).
 
-Usage: zero3_worker.py OUT_JSON
+Usage: zero3_worker.py OUT_JSON [SINGLE_JSON]  (launched with SINGLE_JSON: rank 0 first writes the
+single-process reference there, see launch_helpers.single_reference)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from launch_helpers import finish  # noqa: E402
+from launch_helpers import finish, single_reference  # noqa: E402
 from rbe_helpers import mixed_dataset  # noqa: E402
 from sharding_worker import VOCAB, build, loss_options  # noqa: E402
 
@@ -86,11 +87,13 @@ def run_case(case: str, distributed: bool, out_dir: str) -> dict:
 
 def main(out: str) -> None:
     distributed = "WORLD_SIZE" in os.environ
+    out_dir = os.path.dirname(os.path.abspath(out))
     if distributed:
+        single_reference(lambda: {case: run_case(case, False, out_dir) for case in CASES}, sys.argv[1:])
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
-    finish({case: run_case(case, distributed, os.path.dirname(os.path.abspath(out))) for case in CASES}, out, distributed)
+    finish({case: run_case(case, distributed, out_dir) for case in CASES}, out, distributed)
 
 
 if __name__ == "__main__":
