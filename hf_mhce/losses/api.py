@@ -18,7 +18,8 @@ from .functions import MixtureLogprobs, MultiHeadTokenLoss
 # fullgraph=True's error shows (dynamo otherwise says "reason: None").
 _COMPILE_REASON = (
     "hf_mhce's fused losses run as they are, outside torch.compile's graph (their Triton/chunked sweeps "
-    "are already fused): compile with fullgraph=False, which breaks the graph once around the loss call"
+    "are already fused): compile with fullgraph=False, which breaks the graph once around the loss call "
+    "(or, for an MHCE model without labels, around the mixture log-probs)"
 )
 _opaque_to_compile = (  # older torch has no reason argument
     functools.partial(torch.compiler.disable, reason=_COMPILE_REASON)

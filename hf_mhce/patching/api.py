@@ -168,7 +168,10 @@ def from_pretrained(path_or_id, **kwargs):
 
 def _peft_loader(adapter_path: str, kwargs) -> type:
     """``peft.AutoPeftModelForCausalLM``, building the base with its saved class where that is a
-    vision-language one: AutoModelForCausalLM cannot load a Qwen2-VL or LLaVA base."""
+    vision-language one: AutoModelForCausalLM cannot load a Qwen2-VL or LLaVA base.  An adapter
+    without a task_type (as ``model.add_adapter(LoraConfig(...))`` saves one), which PEFT's auto
+    classes refuse, is loaded by transformers' own PEFT integration: the base's class loads the
+    adapter directory."""
     from peft import AutoPeftModelForCausalLM, PeftConfig
     from transformers import AutoModelForCausalLM
 
@@ -178,6 +181,8 @@ def _peft_loader(adapter_path: str, kwargs) -> type:
         return AutoPeftModelForCausalLM
     hub = {**kwargs, "revision": peft_config.revision} if peft_config.revision else kwargs
     base_class = _saved_class(peft_config.base_model_name_or_path, hub)
+    if peft_config.task_type is None and getattr(peft_config, "auto_mapping", None) is None:
+        return base_class
     if base_class is AutoModelForCausalLM:
         return AutoPeftModelForCausalLM
     return type(f"AutoPeftModelFor{base_class.__name__}", (AutoPeftModelForCausalLM,), {"_target_class": base_class})

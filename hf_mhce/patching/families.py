@@ -152,14 +152,29 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return decoder
 
 
-@functools.lru_cache(maxsize=None)
+def _memoized(fn):
+    """``functools.lru_cache(maxsize=None)`` as a plain dict: decoder_of and the labels check run in
+    every forward, and dynamo warns of possible silent incorrectness at each lru_cache-wrapped call
+    it traces (torch.compile of a patched model), not at a dict lookup."""
+    cache = {}
+
+    @functools.wraps(fn)
+    def memoized(*args):
+        if args not in cache:
+            cache[args] = fn(*args)
+        return cache[args]
+
+    return memoized
+
+
+@_memoized
 def named_inputs(forward) -> frozenset:
     """The arguments ``forward`` names (not those it takes through ``**kwargs``)."""
     params = inspect.signature(forward).parameters.values()
     return frozenset(p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
 
-@functools.lru_cache(maxsize=None)  # decoder_of runs on every forward
+@_memoized  # decoder_of runs on every forward
 def _takes_more_inputs(base_forward, decoder_forward) -> bool:
     return bool(named_inputs(base_forward) - named_inputs(decoder_forward) - CONSUMED_ARGS)
 

@@ -56,6 +56,7 @@ class PatchState:
     original_accepts: object = field(default_factory=lambda: ABSENT)  # instance's accepts_loss_kwargs before
     warned_adapter_save: bool = False
     warned_tuple_logits: bool = False
+    checked_compute_loss: bool = False  # a Trainer's compute_loss was seen calling (custom_compute_loss_warning)
     router: RouterFacts | None = None  # a mixture of experts' load-balancing loss (routers.py)
     foreign: dict = field(default_factory=dict)  # a replaced forward's own options: {name: default} (probe.py)
     autocast: object = None  # accelerate's mixed-precision autocast the forward ran under (methods.py)
@@ -137,7 +138,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
                 f"{name!r} is an option of the forward hf_mhce replaced ({type(model).__name__}'s own), which the "
                 f"fused forward cannot apply; leave it at its default {default!r}, or hf_mhce.unpatch(model)")
     cfg = state.config
-    if "peft_config" in model.__dict__ and not (state.saves_adapters or state.warned_adapter_save):
+    if ("peft_config" in model.__dict__ and not (state.saves_adapters or state.warned_adapter_save)
+            and not has_integrated_adapters(model)):  # whose save_pretrained is ours: it writes hf_mhce.json
         _warn_adapter_save(state)
 
     return_dict = kwargs.pop("return_dict", None)
@@ -184,6 +186,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
         want_logits = trainer_needs_predictions()
     if loss is None or want_logits:
         logits = _logits(model, state, slice_logits_to_keep(hidden, logits_to_keep))
+    elif not state.checked_compute_loss and not torch.compiler.is_compiling():
+        custom_compute_loss_warning(state)
 
     passthrough = {}
     if not isinstance(outputs, tuple):
@@ -212,6 +216,12 @@ def _warn_tuple_logits(state: PatchState) -> None:
             "transformers' positions (loss, logits, ...). Pass return_logits=False (forward keyword or apply_patch "
             "option) to skip them; the tuple then has no logits entry, as a ModelOutput leaves out None fields.",
             stacklevel=4)
+
+
+def has_integrated_adapters(model: nn.Module) -> bool:
+    """Adapters added through transformers' own PEFT integration (``add_adapter`` / ``load_adapter``),
+    which make ``save_pretrained`` write the active adapter alone."""
+    return bool(model.__dict__.get("_hf_peft_config_loaded", False))
 
 
 def _warn_adapter_save(state: PatchState) -> None:
@@ -256,6 +266,32 @@ def trainer_needs_predictions() -> bool:
                     return isinstance(loss_only, bool) and not loss_only
             frame = frame.f_back
     return False
+
+
+def custom_compute_loss_warning(state: PatchState) -> None:
+    """Warn once when the forward, returning logits=None (labels given), is called from a Trainer
+    subclass's own ``compute_loss``: code written for transformers may read ``outputs.logits`` there
+    and would fail on None far from the cause.  Trainer's, TRL's and our own compute_loss use the loss
+    only.  Checked until a Trainer's compute_loss is seen calling (a model first run outside one too)."""
+    trainer_module = sys.modules.get("transformers.trainer")
+    if trainer_module is None:
+        return
+    frame, custom = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_code.co_name == "compute_loss" and isinstance(frame.f_locals.get("self"), trainer_module.Trainer):
+            state.checked_compute_loss = True
+            if custom is None and not frame.f_globals.get("__name__", "").startswith(("transformers.", "trl.", "hf_mhce.")):
+                custom = frame
+        frame = frame.f_back
+    if custom is not None:  # reported at the line of that compute_loss that called the model
+        name = type(custom.f_locals["self"]).__qualname__
+        warnings.warn_explicit(
+            f"hf_mhce: {name}.compute_loss calls the patched model with labels, which returns logits=None: the "
+            "fused loss builds no [tokens x vocab] logits. If that compute_loss reads outputs.logits, patch with "
+            "return_logits=True (hf_mhce.apply_patch(model, return_logits=True)), which builds them again, and "
+            "their memory; one that uses outputs.loss alone needs nothing.",
+            UserWarning, custom.f_code.co_filename, custom.f_lineno, module=custom.f_globals.get("__name__"),
+            registry=custom.f_globals.setdefault("__warningregistry__", {}))
 
 
 def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=None, ignore_index=None):

@@ -21,7 +21,7 @@ from torch import nn
 
 from .card import SECTIONS_ATTR, write_card
 from .config import write_adapter_config
-from .forward import FUSED_REROUTE_KWARG, STATE_ATTR, make_forward
+from .forward import FUSED_REROUTE_KWARG, STATE_ATTR, has_integrated_adapters, make_forward
 from .fused_head import DEFAULT_OPTIONS
 
 _REDUCE = "__reduce_ex__"
@@ -231,20 +231,23 @@ def _save_with_card(self, save_directory, *args, **kwargs):
     A PeftModel saves its adapters without the base's config.json, so the loss config goes beside
     each of them in ``hf_mhce.json``, where ``from_pretrained`` of the adapter directory finds it:
     the "default" adapter in ``save_directory``, any other one in ``save_directory/<name>`` (PEFT's layout).
+    A transformers model carrying adapters of its own (``add_adapter`` / ``load_adapter``) saves its
+    active adapter alone, also without config.json: ``hf_mhce.json`` goes beside it too.
     """
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     target = unwrap(self)
     state = target.__dict__.get(STATE_ATTR)
     if state is not None and kwargs.get("is_main_process", True):
         directory = os.fspath(save_directory)
-        adapter = self is not target and os.path.isfile(os.path.join(directory, "adapter_config.json"))
+        adapters_only = self is not target or has_integrated_adapters(target)
+        adapter = adapters_only and os.path.isfile(os.path.join(directory, "adapter_config.json"))
         write_card(target, state.config, directory, adapter)
-        if self is not target:
-            names = getattr(self, "peft_config", {})
-            for adapter_dir in {directory, *(os.path.join(directory, n) for n in names if n != "default")}:
-                if os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
-                    write_adapter_config(adapter_dir, state.config)
+        names = getattr(self, "peft_config", {}) if self is not target else {}
+        for adapter_dir in {directory, *(os.path.join(directory, n) for n in names if n != "default")}:
+            if adapters_only and os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
+                write_adapter_config(adapter_dir, state.config)
     return result
+
 
 
 def _reduce_ex(self, protocol):

@@ -300,3 +300,37 @@ def test_mixed_adapter_batch_routes_each_row_through_its_adapter(loss, heads):
         if loss == "ce":  # and the unpatched PEFT model agrees
             ref = build()
             torch.testing.assert_close(mixed, ref(input_ids=ids, labels=labels, adapter_names=names).loss)
+
+
+@pytest.mark.parametrize("task_type", ["CAUSAL_LM", None])
+def test_transformers_integrated_adapter_saved_alone_keeps_its_loss(tmp_path, task_type):
+    """transformers' own PEFT integration (model.add_adapter) makes save_pretrained write the active
+    adapter alone, without config.json: hf_mhce.json goes beside it (was: none, so the MHCE model came
+    back as CE with other logits), and an adapter without a task_type, which PEFT's auto classes refuse,
+    loads through transformers' integration."""
+    import warnings
+
+    import hf_mhce
+    from hf_mhce.patching.config import ADAPTER_CONFIG_FILE
+
+    model = apply_patch(_saved_base(tmp_path), loss="mhce", num_heads=4)
+    torch.manual_seed(1)
+    model.add_adapter(LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False, task_type=task_type))
+    model.eval()
+    ids, labels = batch()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="hf_mhce")  # no advice to patch a PeftModel: there is none
+        with torch.no_grad():
+            want, want_loss = model(input_ids=ids).logits, model(input_ids=ids, labels=labels).loss
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / ADAPTER_CONFIG_FILE).is_file()
+    assert not (tmp_path / "adapter" / "config.json").exists()  # transformers' layout is unchanged
+    assert "beside the adapter" in (tmp_path / "adapter" / "README.md").read_text()
+
+    loaded = hf_mhce.from_pretrained(tmp_path / "adapter").eval()
+    base = loaded.get_base_model() if hasattr(loaded, "get_base_model") else loaded
+    assert is_patched(loaded) and base.config.hf_mhce["num_heads"] == 4
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(loaded(input_ids=ids, labels=labels).loss, want_loss)
+    torch.testing.assert_close(want.exp().sum(-1), torch.ones(want.shape[:-1]))  # a mixture, not softmax(W x)

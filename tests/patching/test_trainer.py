@@ -223,3 +223,36 @@ def test_eval_loss_with_a_batch_without_targets(tmp_path):
                                  use_cpu=True, disable_tqdm=True)
         results.append(Trainer(model=model, args=args, eval_dataset=rows).evaluate()["eval_loss"])
     assert math.isfinite(results[0]) and results[1] == pytest.approx(results[0], rel=1e-5)
+
+
+def test_custom_compute_loss_is_told_that_logits_are_none(tmp_path):
+    """A Trainer subclass's compute_loss that reads outputs.logits (written for transformers) gets None
+    with labels: a warning at its own line names the cause and return_logits=True (was: an AttributeError
+    on None, nothing said); Trainer's own compute_loss is silent, and return_logits=True gives HF's run."""
+    import warnings
+
+    class LogitRegularised(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs)
+            reg = torch.logsumexp(outputs.logits.float(), -1).pow(2).mean() if outputs.logits is not None else 0.0
+            return outputs.loss + 1e-4 * reg
+
+    def run(cls, model, out):
+        args = TrainingArguments(output_dir=str(out), max_steps=2, per_device_train_batch_size=4, logging_steps=1,
+                                 report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)
+        trainer = cls(model=model, args=args, train_dataset=token_dataset(8))
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    ref = make_model("llama")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(Trainer, apply_patch(twin(ref)), tmp_path / "plain")
+        run(LogitRegularised, apply_patch(twin(ref)), tmp_path / "custom")
+    told = [w for w in caught if "compute_loss" in str(w.message)]
+    assert len(told) == 1 and "LogitRegularised.compute_loss" in str(told[0].message), [str(w.message) for w in caught]
+    assert "return_logits=True" in str(told[0].message) and told[0].filename == __file__  # the line that calls the model
+
+    want = run(LogitRegularised, twin(ref), tmp_path / "hf")
+    got = run(LogitRegularised, apply_patch(twin(ref), return_logits=True), tmp_path / "logits")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)
