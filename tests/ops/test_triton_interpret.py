@@ -93,8 +93,10 @@ def test_fp32_matches_reference(lead, D, V, H, reduction):
         dict(reduction="sum", num_items_in_batch=50),
         dict(reduction="none", label_smoothing=0.2, z_loss=1e-2, softcap=3.0),
         dict(reduction="mean", ignore_index=3, label_smoothing=0.1),
+        # a cap far above the logits: c * tanh(z / c) must not cancel (its exp form was 1e-3 off here)
+        dict(reduction="none", softcap=1e4),
     ],
-    ids=["sum-nobias", "num_items", "all-options", "ignore3"],
+    ids=["sum-nobias", "num_items", "all-options", "ignore3", "softcap-far-above-logits"],
 )
 @pytest.mark.parametrize("H", [1, 4])
 def test_fp32_options(opts, H):
