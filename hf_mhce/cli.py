@@ -71,15 +71,21 @@ def _rbe(args: argparse.Namespace) -> int:
 
     from .rbe.data import DataError, load_texts, load_tokenizer, looks_like_a_path, remote_code_option, token_blocks
     from .rbe.evaluate import evaluate
-    from .rbe.plots import plot_rank_distribution
+    from .rbe.plots import MISSING, available, plot_rank_distribution
 
     def trusting():  # around every load of the checkpoint: a refusal of its custom code names the flag
         return remote_code_option(TRUST_REMOTE_CODE, SystemExit)
 
     # the cheap checks first: a wrong argument is named before the model and the data are loaded
+    # (--device, --json and --plot are checked by argparse)
     if looks_like_a_path(args.model) and not os.path.exists(os.path.expanduser(args.model)):  # not a hub id either
         raise SystemExit(f"hf-mhce rbe: no such checkpoint directory: {args.model!r} (MODEL is a checkpoint "
                          "directory or a hub id)")
+    if os.path.isfile(os.path.expanduser(args.model)):  # transformers failed on it with two chained tracebacks
+        raise SystemExit(f"hf-mhce rbe: {args.model!r} is a file, not a checkpoint directory (MODEL is a checkpoint "
+                         "directory or a hub id)")
+    if args.plot and not available():
+        raise SystemExit(f"--plot: {MISSING}")
     with trusting():
         limit, limit_name = _max_positions(args.model, args.trust_remote_code)
     block_size = args.block_size if args.block_size is not None else min(256, limit or 256)
@@ -187,6 +193,39 @@ def positive_int(text: str) -> int:
     return value
 
 
+def torch_device(text: str) -> str:
+    """argparse type of --device: a device torch parses and this machine has, refused by name before
+    anything loads ("bogus", or "cuda" on a CPU-only torch, failed after the model was loaded)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)") from None
+    if device.type == "cpu":
+        return text
+    if device.type == "mps":
+        count = int(torch.backends.mps.is_available())
+    else:  # torch.cuda, torch.xpu, ...
+        backend = getattr(torch, device.type, None)
+        count = backend.device_count() if hasattr(backend, "device_count") and backend.is_available() else 0
+    if (device.index or 0) >= count:
+        found = f"{count} {device.type} device(s)" if count else f"no {device.type} device"
+        raise argparse.ArgumentTypeError(f"{text!r} is not available here ({found} with torch {torch.__version__})")
+    return text
+
+
+def output_file(text: str) -> str:
+    """argparse type of an output file (--json, --plot): its directory must exist and be writable; checked
+    before anything loads (a missing directory failed after the whole evaluation)."""
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    parent = os.path.dirname(text) or "."
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r}: no such directory {parent!r} (create it first)")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the directory {parent!r} is not writable")
+    return text
+
+
 def _block_size(text: str) -> int:
     value = _whole_number(text)
     if value < 2:
@@ -204,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--hidden", type=positive_int, default=256)
     demo.add_argument("--heads", type=positive_int, nargs="+", default=[1, 4])
     demo.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
-    demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    demo.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
 
@@ -225,9 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: 256, or the model's positions if fewer)")
     rbe.add_argument("--batch-size", type=positive_int, default=8)
     rbe.add_argument("--max-blocks", type=positive_int, default=None, help="evaluate at most this many blocks")
-    rbe.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    rbe.add_argument("--json", default=None, help="write the report as JSON to this file")
-    rbe.add_argument("--plot", default=None, help="write the rank distribution (log-log PNG) to this file")
+    rbe.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    rbe.add_argument("--json", type=output_file, default=None,
+                     help="write the report as JSON to this file (its directory must exist)")
+    rbe.add_argument("--plot", type=output_file, default=None,
+                     help="write the rank distribution (log-log PNG) to this file (its directory must exist)")
     rbe.add_argument("--no-progress", action="store_true")
     rbe.add_argument(TRUST_REMOTE_CODE, action="store_true",
                      help="run the custom modeling code a checkpoint carries (auto_map in its config.json: the model, "

@@ -198,11 +198,10 @@ def _id_rows(dataset) -> list[dict]:
     for i, ids in enumerate(dataset["input_ids"]):
         row = {"input_ids": list(ids)}
         if masks is not None and 0 in masks[i]:
+            check_aligned(i, "attention_mask", masks[i], ids)
             row["attention_mask"] = list(masks[i])
         if labels is not None:
-            if len(labels[i]) != len(ids):
-                raise DataError(f"row {i} has {len(labels[i])} labels for {len(ids)} input_ids: the labels column must "
-                                f"align with input_ids (unshifted, {IGNORE_INDEX} where no target)")
+            check_aligned(i, "labels", labels[i], ids)
             row["labels"] = list(labels[i])
             targets = sum(label != IGNORE_INDEX for label in row["labels"][1:])  # the first label predicts nothing
         else:
@@ -210,6 +209,15 @@ def _id_rows(dataset) -> list[dict]:
         if targets > 0:  # a single token, or labels all ignored, is no target
             rows.append(row)
     return rows
+
+
+def check_aligned(index: int | str, name: str, values, input_ids) -> None:
+    """Row ``index``'s ``labels`` or ``attention_mask`` has one entry per input id, else a DataError naming
+    the row and both lengths (shared by hf-mhce rbe's token-id datasets and hf_mhce.rbe.evaluate)."""
+    if len(values) != len(input_ids):
+        what = f"unshifted, {IGNORE_INDEX} where no target" if name == "labels" else "1 for a token, 0 for padding"
+        raise DataError(f"row {index} has {len(values)} {name} for {len(input_ids)} input_ids: {name} must align "
+                        f"with input_ids, one per token id ({what})")
 
 
 def column_texts(dataset, column: str, option: str) -> list[str]:

@@ -5,16 +5,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ..losses import collect_ranks
 from ..patching import CONFIG_KEY, apply_patch, is_patched, unpatch
 from ..patching.methods import unwrap
+from .data import check_aligned
 from .placement import head_vocab_size, input_device
 from .stats import RBEDecomposition, RBEStats
 
@@ -42,23 +43,65 @@ class RBEReport:
         return "\n".join(lines)
 
 
-def _as_row(row) -> Mapping:
-    """A dict with ``input_ids``; a bare sequence of token ids (list, 1-D tensor) is one."""
-    if isinstance(row, Mapping):
-        if "input_ids" not in row:
-            raise ValueError(f"each row needs an 'input_ids' entry (token ids), got keys {sorted(row)}")
-        return row
-    if isinstance(row, (str, bytes)) or not (isinstance(row, (Sequence, torch.Tensor)) and torch.as_tensor(row).dim() == 1):
-        raise TypeError(f"rows must be dicts with 'input_ids' or sequences of token ids (tokenize text first), "
-                        f"got {type(row).__name__}: {str(row)[:60]!r}")
-    return {"input_ids": row}
+def _token_ids(values, what: str) -> torch.Tensor:
+    """``values`` (a list, tensor or numpy array of integers) as a 1-D int64 tensor; anything else is named."""
+    try:
+        ids = torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError):  # text, ragged lists, object arrays
+        ids = None
+    if ids is None or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        kind = type(values).__name__ + (f" of {values.dtype}" if hasattr(values, "dtype") else "")
+        shape = f" with shape {tuple(ids.shape)}" if ids is not None and ids.dim() != 1 else ""
+        raise TypeError(f"{what} must be a 1-D sequence of integer token ids (tokenize text first), "
+                        f"got {kind}{shape}: {str(values)[:60]!r}")
+    return ids.long()
+
+
+def _as_row(row, index: int | str = 0) -> Mapping:
+    """A dict with ``input_ids`` (and ``labels``, ``attention_mask`` where given) as 1-D int64 tensors; a
+    bare sequence of token ids (list, 1-D tensor, integer numpy array) is one.  ``index``: the row's, in messages."""
+    if not isinstance(row, Mapping):
+        return {"input_ids": _token_ids(row, f"row {index} (a dict with 'input_ids', or its token ids)")}
+    if "input_ids" not in row:
+        raise ValueError(f"each row needs an 'input_ids' entry (token ids), got keys {sorted(row)} in row {index}")
+    out = {**row, "input_ids": _token_ids(row["input_ids"], f"row {index}'s input_ids")}
+    for name in ("labels", "attention_mask"):
+        if row.get(name) is not None:
+            out[name] = _token_ids(row[name], f"row {index}'s {name}")
+            check_aligned(index, name, out[name], out["input_ids"])
+    return out
+
+
+class _CheckedRows(torch.utils.data.Dataset):
+    """In-memory ``data`` (anything with a length and indexing), each row checked and converted by _as_row
+    as the loader reads it, named by its index in ``data``; nothing is copied up front (a datasets.Dataset
+    may be far larger than memory as int64 tensors)."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        return _as_row(self.data[index], index)
+
+
+def _checked_rows(data):
+    if isinstance(data, (Mapping, str, bytes)):
+        raise TypeError(f"data must be a sequence of rows (dicts with 'input_ids', or token-id sequences), got "
+                        f"{type(data).__name__}" + (": pass its rows, e.g. [{'input_ids': ids} for ids in "
+                                                    "data['input_ids']]" if isinstance(data, Mapping) else ""))
+    if isinstance(data, IterableDataset) or not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        return data  # checked per batch by pad_collate
+    return _CheckedRows(data)
 
 
 def pad_collate(rows: list, pad_id: int = 0, ignore_index: int = -100) -> dict:
     """Right-pad ``input_ids`` (and ``labels``, with ``ignore_index``: the model's) of variable-length
     rows: dicts with ``input_ids`` (optionally ``labels`` and ``attention_mask``; without labels, the
     masked positions are no targets), or bare sequences of token ids."""
-    rows = [_as_row(r) for r in rows]
+    rows = [_as_row(r, f"{i} of a batch") for i, r in enumerate(rows)]
     longest = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), longest), ignore_index, dtype=torch.long)
@@ -93,7 +136,9 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     data: a DataLoader yielding dicts with ``input_ids`` (optionally ``labels``, unshifted as
         transformers expects, and ``attention_mask``), or any sequence of such rows (e.g. a
         datasets.Dataset with an ``input_ids`` column) or of bare token-id sequences (a [B, T]
-        tensor, a list of id lists), padded per batch.
+        tensor or integer numpy array, a list of id lists), padded per batch.  A row that is not
+        integer token ids, or whose labels or attention_mask do not have one entry per input id, is
+        named by its index (in ``data`` where that has indexing).
     A model inside ``nn.DataParallel`` or ``DistributedDataParallel`` is evaluated through
     ``model.module``.  An unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
     cross-entropy) and restored afterwards; the ranks come from the fused loss sweep.
@@ -105,6 +150,7 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     attention-masked positions get the label the model is patched to ignore (``ignore_index``).
     """
     loader = data if isinstance(data, DataLoader) else None
+    rows = _checked_rows(data) if loader is None else None  # a bad row is named by its index in data
     sampler = getattr(loader, "sampler", None)
     if isinstance(sampler, DistributedSampler) and not sampler.drop_last and sampler.total_size != len(sampler.dataset):
         warnings.warn(f"the DistributedSampler pads {len(sampler.dataset)} rows to {sampler.total_size} with repeated "
@@ -120,7 +166,7 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
         with _patched_for_eval(model), torch.no_grad(), collect_ranks(lambda r, l: stats.add(r, l)):
             ignore_index = getattr(unwrap(model).config, CONFIG_KEY).get("ignore_index", -100)  # as patched now
             if loader is None:
-                loader = DataLoader(data, batch_size=batch_size,
+                loader = DataLoader(rows, batch_size=batch_size,
                                     collate_fn=functools.partial(pad_collate, ignore_index=ignore_index))
             batches = loader
             if progress:

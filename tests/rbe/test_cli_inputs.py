@@ -394,3 +394,27 @@ def test_a_missing_checkpoint_directory_is_named(ckpt, tmp_path, capsys):
     missing = tmp_path / "no" / "such_ckpt"
     msg = _refused(missing, "--dataset", root / "c.txt", capsys=capsys)
     assert f"no such checkpoint directory: {str(missing)!r}" in msg
+    # a file: two chained tracebacks ending in transformers' OSError
+    msg = _refused(root / "c.txt", "--dataset", root / "c.txt", capsys=capsys)
+    assert f"{str(root / 'c.txt')!r} is a file, not a checkpoint directory (MODEL is a checkpoint" in msg
+
+
+@pytest.mark.parametrize("option,value,reason", [
+    ("--json", "nodir/r.json", "no such directory"), ("--plot", "nodir/r.png", "no such directory"),
+    ("--json", ".", "is a directory, not a file"), ("--device", "bogus", "is not a torch device"),
+    ("--device", f"cuda:{torch.cuda.device_count()}", "is not available here"),
+    *([("--device", "mps", "is not available here")] if not torch.backends.mps.is_available() else [])])
+def test_outputs_and_device_are_checked_before_anything_loads(option, value, reason, tmp_path, capsys):
+    """A --json/--plot directory that did not exist failed after the evaluation (--plot after writing the
+    JSON), an unknown or absent --device after the model was loaded: now argparse names them first."""
+    value = str(tmp_path / value) if option != "--device" else value
+    with pytest.raises(SystemExit) as info:  # neither the checkpoint nor the data exist: nothing is loaded
+        main(["rbe", str(tmp_path / "not-loaded"), "--dataset", str(tmp_path / "not-read.txt"), option, value])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and f"argument {option}: {value!r}" in err and reason in err
+
+
+def test_plot_without_matplotlib_is_refused_before_loading(ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("hf_mhce.rbe.plots.available", lambda: False)  # was an ImportError after the evaluation
+    msg = _refused(ckpt[0] / "gpt2", "--dataset", tmp_path / "not-read.txt", "--plot", tmp_path / "p.png", capsys=capsys)
+    assert "--plot: RBE plots need matplotlib" in msg

@@ -267,6 +267,31 @@ def test_evaluate_bare_token_id_rows():
         evaluate(model, [{"text": "hello"}])
 
 
+def test_numpy_rows_and_misaligned_rows():
+    """Integer numpy rows are token ids (they were refused as not "sequences of token ids"); float ones are
+    refused; labels or a mask not one per input id are named by their row's index in the data (they failed
+    in pad_collate with a bare RuntimeError), before the model runs on that row's batch."""
+    import numpy as np
+
+    model = tiny_gpt2()
+    ids = np.random.default_rng(4).integers(0, VOCAB, (5, 11))
+    want = evaluate(model, torch.as_tensor(ids)).decomposition.cross_entropy
+    for data in (ids, list(ids), ids.astype(np.int32), [{"input_ids": r, "labels": r} for r in ids]):
+        assert evaluate(model, data).decomposition.cross_entropy == pytest.approx(want, rel=1e-6)
+    with pytest.raises(TypeError, match="row 0 .* must be a 1-D sequence of integer token ids.* ndarray of float64"):
+        evaluate(model, ids.astype(np.float64))
+    calls = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    rows = [{"input_ids": [1, 2, 3, 4]}] * 3
+    with pytest.raises(ValueError, match="row 2 has 2 labels for 4 input_ids"):
+        evaluate(model, rows[:2] + [{"input_ids": [1, 2, 3, 4], "labels": [1, 2]}], batch_size=4)
+    with pytest.raises(ValueError, match="row 1 has 5 attention_mask for 4 input_ids"):
+        evaluate(model, rows[:1] + [{"input_ids": [1, 2, 3, 4], "attention_mask": [1] * 5}], batch_size=4)
+    assert not calls
+    with pytest.raises(ValueError, match="row 2 has 2 labels"):  # a later batch: its index in data still
+        evaluate(model, rows[:2] + [{"input_ids": [1, 2, 3, 4], "labels": [1, 2]}], batch_size=1)
+
+
 def test_rows_with_their_own_attention_mask():
     """Rows padded by the tokenizer (padding="max_length") carry an attention_mask: the padding is no
     target, as with a DataLoader over the same rows (it used to be counted: 33 tokens for 15)."""
