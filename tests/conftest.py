@@ -60,3 +60,13 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """No accelerate state left by an earlier test's Trainer (a state without mixed precision refuses
+    an Accelerator(mixed_precision="bf16"))."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield

@@ -7,7 +7,8 @@ Each run's output at the file descriptors (Python's and C's) goes to BASE/<name>
 .stderr, and its exit status to BASE/status.json; a run that fails is recorded (its traceback in its
 .stderr) and the next one still runs.
 
-Usage: python tests/script_runs.py BASE RUNS_JSON     (RUNS_JSON: {name: [script path, *args]})
+Usage: python tests/script_runs.py BASE RUNS_JSON     (RUNS_JSON: {name: [script path, *args]}, or
+{name: ["-m", "package.module", *args]} for ``python -m``)
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ def _run_one(script: str, args: list[str]) -> int:
     import runpy
     import traceback
 
-    folder = os.path.dirname(os.path.abspath(script))
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    sys.argv = [script, *args]
+    module = args.pop(0) if script == "-m" else None  # ["-m", "package.module", *args]: python -m
+    if module is None:
+        folder = os.path.dirname(os.path.abspath(script))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    sys.argv = [script if module is None else module, *args]
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module is None:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
         return 0
     except SystemExit as err:
         return _exit_status(err)

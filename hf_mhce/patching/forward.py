@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import sys
-import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -28,6 +26,7 @@ from torch import nn
 from transformers.modeling_utils import slice_logits_to_keep
 
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
+from .callers import custom_compute_loss_warning, trainer_needs_predictions
 from .config import LossConfig
 from .families import LOSS_KWARGS, LogitFacts, check_loss_function, decoder_of, logit_transform, named_inputs, stock_forward
 from .fused_head import FusedLMHeadOutput, fused_head_output
@@ -237,61 +236,6 @@ def _warn_adapter_save(state: PatchState) -> None:
         "itself, such as TRL's peft_config=..., hf_mhce.apply_patch(trainer.model)).",
         stacklevel=3,
     )
-
-
-@torch.compiler.disable  # reads the caller's frames: must run as Python, not be traced
-def trainer_needs_predictions() -> bool:
-    """True when this forward runs inside a transformers ``Trainer.prediction_step`` that returns the
-    logits (``prediction_loss_only`` False: ``compute_metrics`` is set, or ``predict()``).
-
-    The Trainer says whether it will use the logits only in that local variable (its own
-    ``skip_logits`` hint is sent to Liger-patched models alone), so we read it from the calling
-    frame.  Outside a Trainer, or if a future Trainer renames it, the answer is False: logits stay
-    None, as for any other forward given labels, never a wrong number.
-    """
-    trainer_module = sys.modules.get("transformers.trainer")
-    if trainer_module is None:  # no Trainer can be calling
-        return False
-    stacks = [sys._getframe(1)]
-    if threading.current_thread() is not threading.main_thread():
-        # nn.DataParallel (Trainer on several GPUs of one process) runs the replicas in worker
-        # threads while the main thread waits inside the prediction step
-        stacks.append(sys._current_frames().get(threading.main_thread().ident))
-    for frame in stacks:
-        while frame is not None:
-            if frame.f_code.co_name == "prediction_step":
-                local = frame.f_locals
-                if isinstance(local.get("self"), trainer_module.Trainer):
-                    loss_only = local.get("prediction_loss_only")
-                    return isinstance(loss_only, bool) and not loss_only
-            frame = frame.f_back
-    return False
-
-
-def custom_compute_loss_warning(state: PatchState) -> None:
-    """Warn once when the forward, returning logits=None (labels given), is called from a Trainer
-    subclass's own ``compute_loss``: code written for transformers may read ``outputs.logits`` there
-    and would fail on None far from the cause.  Trainer's, TRL's and our own compute_loss use the loss
-    only.  Checked until a Trainer's compute_loss is seen calling (a model first run outside one too)."""
-    trainer_module = sys.modules.get("transformers.trainer")
-    if trainer_module is None:
-        return
-    frame, custom = sys._getframe(1), None
-    while frame is not None:
-        if frame.f_code.co_name == "compute_loss" and isinstance(frame.f_locals.get("self"), trainer_module.Trainer):
-            state.checked_compute_loss = True
-            if custom is None and not frame.f_globals.get("__name__", "").startswith(("transformers.", "trl.", "hf_mhce.")):
-                custom = frame
-        frame = frame.f_back
-    if custom is not None:  # reported at the line of that compute_loss that called the model
-        name = type(custom.f_locals["self"]).__qualname__
-        warnings.warn_explicit(
-            f"hf_mhce: {name}.compute_loss calls the patched model with labels, which returns logits=None: the "
-            "fused loss builds no [tokens x vocab] logits. If that compute_loss reads outputs.logits, patch with "
-            "return_logits=True (hf_mhce.apply_patch(model, return_logits=True)), which builds them again, and "
-            "their memory; one that uses outputs.loss alone needs nothing.",
-            UserWarning, custom.f_code.co_filename, custom.f_lineno, module=custom.f_globals.get("__name__"),
-            registry=custom.f_globals.setdefault("__warningregistry__", {}))
 
 
 def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=None, ignore_index=None):

@@ -242,12 +242,11 @@ def _save_with_card(self, save_directory, *args, **kwargs):
         adapters_only = self is not target or has_integrated_adapters(target)
         adapter = adapters_only and os.path.isfile(os.path.join(directory, "adapter_config.json"))
         write_card(target, state.config, directory, adapter)
-        names = getattr(self, "peft_config", {}) if self is not target else {}
+        names = getattr(self, "peft_config", {}) if self is not target else {}  # integrated: the active one only
         for adapter_dir in {directory, *(os.path.join(directory, n) for n in names if n != "default")}:
             if adapters_only and os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
                 write_adapter_config(adapter_dir, state.config)
     return result
-
 
 
 def _reduce_ex(self, protocol):

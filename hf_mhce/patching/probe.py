@@ -26,7 +26,7 @@ from torch import nn
 from .families import (CONSUMED_ARGS, KWARGS_ARGS, decoder_of, defined_in_transformers, model_type, named_inputs,
                        probe_inputs, stock_forward, unsupported)
 from .forward import ABSENT, PatchState, generic_forward, restore_attr
-from .methods import accelerate_autocast, forward_attr, trl_head_options, under_trl_heads
+from .methods import accelerate_autocast, forward_attr, under_trl_heads
 
 
 def original_forward(model: nn.Module, state=None):
@@ -35,8 +35,7 @@ def original_forward(model: nn.Module, state=None):
     once patched), else the class's forward, bound.  TRL's fused-LM-head wrappers are looked through:
     the patched forward answers their protocol itself (fused_head.py)."""
     original = model.__dict__.get(forward_attr(model), ABSENT) if state is None else state.original
-    if trl_head_options(original) is not None:
-        original = under_trl_heads(original)
+    original = under_trl_heads(original)
     if accelerate_autocast(original) is not None:  # accelerate's mixed precision: the forward inside it
         original = model.__dict__.get("_original_forward", ABSENT)
     func = getattr(original, "__func__", None)

@@ -11,10 +11,10 @@ the call stack and its ``ref_model`` inspected.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
+
+from .callers import calling_trainer
 
 
 class UnpatchedReferenceError(RuntimeError):
@@ -25,7 +25,7 @@ class UnpatchedReferenceError(RuntimeError):
 def check_reference_model(state, max_depth: int = 64) -> bool:
     """Raise if the trainer calling the policy whose patch state is ``state`` (an MHCE model) holds an
     unpatched reference model.  Returns whether a trainer was found (the check is then done)."""
-    trainer = _calling_trainer(max_depth)
+    trainer = calling_trainer(max_depth)
     if trainer is None:
         return False
     reference = getattr(trainer, "ref_model", None)
@@ -42,22 +42,6 @@ def check_reference_model(state, max_depth: int = 64) -> bool:
         "ref_model=hf_mhce.from_pretrained(...) where the trainer takes one; to keep a plain-softmax reference on "
         "purpose: hf_mhce.apply_patch(trainer.ref_model, 'ce')"
     )
-
-
-def _calling_trainer(max_depth: int):
-    """The innermost transformers Trainer whose method is on the call stack, or None."""
-    trainer_module = sys.modules.get("transformers.trainer")
-    if trainer_module is None:  # no Trainer can be calling
-        return None
-    frame = sys._getframe(1)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, trainer_module.Trainer):
-            return candidate
-        frame = frame.f_back
-    return None
 
 
 def _inner(model: nn.Module) -> nn.Module:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from launch_helpers import child_env, free_port
+from script_runs import output, run_scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 FINETUNE = ROOT / "examples" / "finetune.py"
@@ -20,27 +21,6 @@ ENV = child_env()
 
 LORA = ["--lora_r", "4", "--lora_target_modules", "q_proj,v_proj,lm_head", "--no_merge_lora"]
 EXTRA = {"full": [], "lora_attention_and_head": LORA}
-# A small MHCE (H=2) checkpoint from the main job (``hf-mhce train`` is hf_mhce.train.main), as a user's
-# --model; then the one-process run of finetune.py (its main(argv)) for each case, all in one process
-# started once.  A case that fails is recorded (its traceback printed), and the next one still runs.
-ONE_PROCESS = r"""
-import json, sys, traceback
-examples, status_file, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-sys.path.insert(0, examples)  # what `python examples/finetune.py` puts first
-import hf_mhce.train
-hf_mhce.train.main(runs.pop("checkpoint"))
-import finetune
-status = {}
-for case, argv in runs.items():
-    try:
-        finetune.main(argv)
-        status[case] = "ok"
-    except BaseException as err:
-        traceback.print_exc()
-        status[case] = f"{type(err).__name__}: {err}"
-with open(status_file, "w") as f:
-    json.dump(status, f)
-"""
 
 
 def _args(out: Path, checkpoint: Path, processes: int, extra: list[str]) -> list[str]:
@@ -54,19 +34,18 @@ def one_process(tmp_path_factory):
     """(checkpoint, {case: results.json of the one-process run, or the failure})."""
     base = tmp_path_factory.mktemp("one_process")
     checkpoint = base / "ckpt"
-    runs = {"checkpoint": ["--output_dir", str(checkpoint), "--vocab_size", "300", "--hidden_size", "32",
-                           "--num_hidden_layers", "1", "--intermediate_size", "64", "--block_size", "32",
-                           "--max_train_blocks", "16", "--max_eval_blocks", "4", "--max_steps", "2",
-                           "--eval_strategy", "no", "--per_device_train_batch_size", "4", "--no_rbe_plots",
-                           "--sample_tokens", "2", "--num_heads", "2"],
-            **{case: _args(base / case, checkpoint, 1, extra) for case, extra in EXTRA.items()}}
-    status_file = base / "status.json"
-    proc = subprocess.run([sys.executable, "-c", ONE_PROCESS, str(FINETUNE.parent), str(status_file),
-                           json.dumps(runs)], capture_output=True, text=True, env=ENV, timeout=480, cwd=str(ROOT))
-    assert proc.returncode == 0 and status_file.is_file(), (proc.stdout[-3000:], proc.stderr[-5000:])
-    status = json.loads(status_file.read_text())
-    return checkpoint, {case: (json.loads((base / case / "results.json").read_text()) if status[case] == "ok"
-                               else (status[case], proc.stderr[-5000:])) for case in EXTRA}
+    # a small MHCE (H=2) checkpoint from the main job, as a user's --model; then the one-process runs of
+    # finetune.py; all in one process started once (tests/script_runs.py)
+    train = ["-m", "hf_mhce.cli", "train", "--output_dir", str(checkpoint), "--vocab_size", "300", "--hidden_size", "32",
+             "--num_hidden_layers", "1", "--intermediate_size", "64", "--block_size", "32", "--max_train_blocks", "16",
+             "--max_eval_blocks", "4", "--max_steps", "2", "--eval_strategy", "no", "--per_device_train_batch_size",
+             "4", "--no_rbe_plots", "--sample_tokens", "2", "--num_heads", "2"]
+    runs = {"checkpoint": train,
+            **{case: [str(FINETUNE), *_args(base / case, checkpoint, 1, extra)] for case, extra in EXTRA.items()}}
+    status = run_scripts(runs, base, ENV, timeout=480, cwd=str(ROOT))
+    assert status["checkpoint"] == 0, output(base, "checkpoint")[1][-5000:]
+    return checkpoint, {case: (json.loads((base / case / "results.json").read_text()) if status[case] == 0
+                               else (status[case], output(base, case)[1][-5000:])) for case in EXTRA}
 
 
 def _launch(out: Path, checkpoint: Path, extra: list[str]) -> dict:

@@ -103,12 +103,10 @@ def test_a_peft_model_with_lora_on_the_head_roundtrips(tmp_path):
     assert json.loads((tmp_path / "hf_mhce.json").read_text())["num_heads"] == 4
 
 
-def test_accelerate_autocast_wraps_and_unwraps_our_forward():
+def test_accelerate_autocast_wraps_and_unwraps_our_forward(fresh_accelerator_state):
     """accelerate rewraps ``forward.__func__`` for mixed precision and rebinds it on unwrap."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
 
-    AcceleratorState._reset_state()  # an earlier test's Trainer left a state without mixed precision
     model = apply_patch(make_model("llama"), loss="mhce", num_heads=4)
     ids, labels = batch()
     want = model(input_ids=ids, labels=labels).loss

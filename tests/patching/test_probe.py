@@ -249,7 +249,7 @@ def test_a_partial_as_instance_forward_is_named_briefly():
     assert all(len(str(w.message)) < 500 for w in caught)  # not the repr of the model the partial holds
 
 
-def test_accelerate_mixed_precision_wrapper_keeps_its_autocast():
+def test_accelerate_mixed_precision_wrapper_keeps_its_autocast(fresh_accelerator_state):
     """A Trainer(bf16=True) wraps the forward in accelerate's autocast at its first evaluate: patching
     afterwards goes inside that wrapper (replacing it dropped autocast for the rest of the run)."""
     from accelerate import Accelerator
