@@ -313,9 +313,14 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
                 dz[:, hit, t[hit] - v0] -= beta_t[:, n0:n1][:, hit]
             if softcap is not None:  # d(c tanh(z / c)) / dz = 1 - (y / c)^2
                 dz *= y.div_(softcap).square_().neg_().add_(1.0)
-            if any_invalid:  # invalid tokens may carry NaN logits: their dz is exactly 0, so is their dX;
-                # a NaN/inf hidden row still makes dW NaN (0 * NaN in the matmul), as in torch
-                dz.masked_fill_(~valid[None, n0:n1, None], 0.0)
+            if any_invalid:  # ignored tokens (padding) contribute nothing, even with a NaN/inf hidden row,
+                # whose 0 * NaN would otherwise make dW NaN (as in eager torch) in one backend only
+                ignored = ~valid[None, n0:n1, None]
+                dz.masked_fill_(ignored, 0.0)
+                if grads.need_dw:
+                    xc = xc.masked_fill(ignored, 0.0)
+                if grads.need_dlb:
+                    lr = (lr[0].masked_fill(ignored, 0.0), lr[1])
             grads.add(dz, xc, wc, lr, n0, n1)
         grads.end_chunk()
     return grads.result()

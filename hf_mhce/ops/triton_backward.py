@@ -75,8 +75,8 @@ def _backward_kernel(
         dy -= tl.where(cols[None, :] == labels[:, None], beta[:, None], 0.0)
         if HAS_SOFTCAP:
             dy *= 1.0 - (y / softcap) * (y / softcap)
-        # Ignored rows may hold NaN logits: their dy is exactly zero, so is their dX; a NaN/inf hidden row
-        # still makes dW NaN through 0 * NaN in the dot (as in torch) unless its whole tile was skipped.
+        # Ignored rows (padding) contribute nothing, even with NaN logits or a NaN/inf hidden row: dy is
+        # zeroed here and their x / U rows in the dW / dLB dots (0 * NaN would be NaN).
         dy = tl.where(row_valid[:, None] & col_mask[None, :], dy, 0.0)
         if NEED_DB:
             tl.atomic_add(DB + cols, tl.sum(dy, axis=0), mask=col_mask)
@@ -92,7 +92,7 @@ def _backward_kernel(
                               mask=row_mask[:, None] & k_mask[None, :])
             if NEED_DW:
                 x = tl.load(X + rows[:, None] * stride_x + ks[None, :],
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                            mask=row_valid[:, None] & k_mask[None, :], other=0.0)
                 dw = dot(tl.trans(dy_in), x, tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32),
                          DOT_IN_ORDER, PRECISION)
                 tl.atomic_add(DW + (cols - v_start)[:, None] * stride_dw + ks[None, :], dw,
@@ -110,7 +110,7 @@ def _backward_kernel(
                               mask=row_mask[:, None] & r_mask[None, :])
             if NEED_DLB:
                 u = tl.load(U + rows[:, None] * stride_u + (head * R + rs)[None, :],
-                            mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+                            mask=row_valid[:, None] & r_mask[None, :], other=0.0)
                 dlb = dot(tl.trans(dy_in), u, tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32), DOT_IN_ORDER, PRECISION)
                 tl.atomic_add(DLB + cols[:, None] * stride_lb + rs[None, :], dlb,
                               mask=col_mask[:, None] & r_mask[None, :])

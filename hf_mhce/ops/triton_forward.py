@@ -95,7 +95,7 @@ def vocab_splits(n_programs: int, v_blocks: int, device: torch.device, requested
     """Vocabulary splits per token block: ``requested``, else enough programs for two per SM."""
     if requested is None:
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        requested = -(-2 * sms // n_programs)
+        requested = -(-2 * sms // max(1, n_programs))  # an empty batch (N = 0) launches nothing
     return max(1, min(int(requested), v_blocks))
 
 

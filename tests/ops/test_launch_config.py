@@ -130,3 +130,15 @@ def test_auto_splits_fill_the_device():
     assert fwd.vocab_splits(64, 2, cpu, 3) == 2  # never more splits than vocabulary blocks
     assert fwd.vocab_splits(64, 1002, cpu, None) == 1  # one "SM" off CUDA: 64 programs suffice
     assert fwd.vocab_splits(1, 1002, cpu, None) == 2
+    assert fwd.vocab_splits(0, 1002, cpu, None) == 2  # an empty batch: nothing launches, no division by 0
+
+
+def test_empty_batch_with_automatic_vocab_splits():
+    """SPLITS=None (the GPU default: splits sized to the SMs) with no tokens: loss 0, zero gradients."""
+    _, triton_tile = _triton()
+    w = torch.randn(13, 8, requires_grad=True)
+    x = torch.randn(0, 8, requires_grad=True)
+    with triton_tile.override_tiles("forward", SPLITS=None):
+        loss = hf_mhce.linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.long), backend="triton")
+    loss.backward()
+    assert loss.item() == 0.0 and (w.grad == 0).all() and x.grad.shape == (0, 8)
