@@ -90,7 +90,8 @@ class RBECallback(TrainerCallback):
         self._batch = []  # a new forward: what came before is no part of this batch
         saved = getattr(getattr(module, "config", None), CONFIG_KEY, None) or {}
         ignore_index = kwargs.get("ignore_index", saved.get("ignore_index", -100))
-        self._labels = (kwargs.get("labels"), kwargs.get("shift_labels"), ignore_index, kwargs.get("position_ids"))
+        self._labels = (kwargs.get("labels"), kwargs.get("shift_labels"), ignore_index, kwargs.get("position_ids"),
+                        kwargs.get("attention_mask"))
         outer = active_sink()  # e.g. hf_mhce.rbe.evaluate on this model: feed it as well
         sink = self._sink if outer is None else _fan_out(self._sink, outer)
         cm = collect_ranks(sink)
@@ -280,10 +281,11 @@ def _check_arguments(args) -> None:
         )
 
 
-def _sample_tokens(labels, shift_labels, ignore_index, position_ids=None):
+def _sample_tokens(labels, shift_labels, ignore_index, position_ids=None, attention_mask=None):
     """Counted tokens per sample of a [B, T] batch, in order, as the patched loss counts them (None
     if unknown).  A row is one sample, or several packed ones (DataCollatorWithFlattening): each
-    starts where ``position_ids`` is 0, and the token before a start predicts nothing of its own."""
+    starts where ``position_ids`` is 0, and the token before a start predicts nothing of its own.
+    Padding (``attention_mask`` 0), which collators often give position 0 too, starts no sample."""
     if shift_labels is None:
         if not torch.is_tensor(labels) or labels.dim() != 2:
             return None
@@ -296,8 +298,17 @@ def _sample_tokens(labels, shift_labels, ignore_index, position_ids=None):
             or position_ids.shape[1] < width:
         return counted.sum(1)
     starts = position_ids.cpu() == 0
-    starts[:, 0] = True
-    sample = starts.reshape(-1).cumsum(0).reshape(starts.shape)[:, :width] - 1  # sample of each predicting token
+    if torch.is_tensor(attention_mask) and attention_mask.shape == position_ids.shape:
+        # padding positions (left or right) often carry position 0 too: they start no sample; a row's
+        # first attended position starts its first sample
+        real = attention_mask.cpu().bool()
+        starts &= real
+        first = real.long().argmax(1)
+        starts[torch.arange(rows), first] = True
+    else:
+        starts[:, 0] = True
+    # sample of each predicting token (row 0's leading padding, before any start, counts nothing)
+    sample = (starts.reshape(-1).cumsum(0).reshape(starts.shape)[:, :width] - 1).clamp(min=0)
     return torch.zeros(int(starts.sum()), dtype=torch.long).index_add_(0, sample.reshape(-1), counted.reshape(-1).long())
 
 

@@ -100,7 +100,7 @@ def _load_file(name: str, path: str, split: str | None, split_option: str):
 
     _check_whole(name, split, "a single file", split_option)
     if not _has_text(path):
-        raise DataError(f"no text in {name!r}: the file is empty")
+        raise DataError(f"no text in {name!r}: the file is empty or holds only whitespace")
     kind = _FILE_TYPES.get(os.path.splitext(path)[1].lower())
     if kind is None:
         if not _is_utf8_text(path):

@@ -130,7 +130,7 @@ def _patched_for_eval(model):
 
 
 def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | None = None,
-             progress: bool = False, max_batches: int | None = None) -> RBEReport:
+             progress: bool = False, max_batches: int | None = None, all_reduce: bool = True) -> RBEReport:
     """RBE decomposition of ``model`` on ``data``.
 
     data: a DataLoader yielding dicts with ``input_ids`` (optionally ``labels``, unshifted as
@@ -146,12 +146,20 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     statistics are summed over the processes.  A DistributedSampler pads a set whose size is not
     a multiple of the number of processes with repeated rows, which are then counted twice
     (a warning says so).
+    The sum is a collective: call evaluate in every process (each with its own rows: the same rows
+    given to every process are counted once per process), or pass ``all_reduce=False`` (e.g. from
+    process 0 only) for the statistics of this process's rows alone.
     device: where the batches go; default: where the model's input embedding runs.  Padding and
     attention-masked positions get the label the model is patched to ignore (``ignore_index``).
     """
     loader = data if isinstance(data, DataLoader) else None
     rows = _checked_rows(data) if loader is None else None  # a bad row is named by its index in data
+    world = _process_group()[0] if all_reduce else 1
     sampler = getattr(loader, "sampler", None)
+    if loader is not None and world > 1 and _pads_last_batch(loader):
+        warnings.warn("this accelerate-prepared DataLoader completes its last batch with repeated rows "
+                      "(even_batches), which the RBE statistics count twice; prepare it with even_batches=False "
+                      "or use a DistributedSampler over a set that splits evenly", stacklevel=2)
     if isinstance(sampler, DistributedSampler) and not sampler.drop_last and sampler.total_size != len(sampler.dataset):
         warnings.warn(f"the DistributedSampler pads {len(sampler.dataset)} rows to {sampler.total_size} with repeated "
                       "rows, which the RBE statistics count twice", stacklevel=2)
@@ -184,8 +192,46 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
                 model(**batch)
     finally:
         model.train(was_training)
-    stats.all_reduce()
+    if all_reduce:
+        if world > 1 and _same_everywhere(stats):
+            warnings.warn(f"all {world} processes evaluated the same tokens, which the RBE statistics count {world} "
+                          "times (num_tokens); give each process its share of the rows, or all_reduce=False", stacklevel=2)
+        stats.all_reduce()
     return RBEReport(stats.decompose(), stats)
+
+
+def _process_group() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def _same_everywhere(stats) -> bool:
+    """Do all processes hold identical statistics (the same rows evaluated everywhere)?  Collective."""
+    import torch.distributed as dist
+
+    from .placement import collective_device
+
+    local = torch.stack([stats.counts.double().sum(), stats.nll_sums.sum(), (stats.counts.double() *
+                         torch.arange(stats.vocab_size, dtype=torch.float64)).sum()]).to(collective_device())
+    low, high = local.clone(), local.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return bool(local[0] > 0) and bool(torch.equal(low, high))
+
+
+def _pads_last_batch(loader) -> bool:
+    """An accelerate DataLoaderShard / DataLoaderDispatcher that repeats rows to even out the last batch."""
+    from .callback import _shard_position
+
+    if _shard_position(loader) is None or getattr(getattr(loader, "batch_sampler", None), "drop_last", False):
+        return False
+    try:
+        return len(loader.dataset) % loader.total_batch_size != 0
+    except (TypeError, AttributeError):
+        return True  # unknown length: it may
 
 
 def _length(loader, max_batches):

@@ -22,7 +22,7 @@ def parse(argv: list[str] | None = None):
     source = ""  # where the options come from, in messages
     try:
         if argv and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-            source, options = f"{argv[0]}: ", _file_options(argv[0], parser)
+            source, options = f"{argv[0]}: ", _typed(_file_options(argv[0], parser), parser, argv[0])
             parsed, given = parser.parse_dict(options), set(options)
         else:
             *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
@@ -53,6 +53,25 @@ def _file_options(path: str, parser) -> dict:
         parser.error(f"the options file {path} holds {held}: it must map option names to values "
                      "(YAML lines like `max_steps: 100`, or a JSON object)")
     return options
+
+
+def _typed(options: dict, parser, path: str) -> dict:
+    """The file's strings for number and bool options converted as the command line converts them: YAML
+    reads 1e-4 as a string, and parse_dict passes values on unconverted (AdamW then failed on lr '1e-4'
+    after the data was read, and "false" was a true --rbe_plots)."""
+    from argparse import ArgumentTypeError
+
+    from transformers.hf_argparser import string_to_bool
+
+    types = {a.dest: a.type for a in parser._actions if a.type in (int, float, string_to_bool)}
+    typed = dict(options)
+    for name, value in options.items():
+        if name in types and isinstance(value, str):
+            try:
+                typed[name] = types[name](value)
+            except (ArgumentTypeError, TypeError, ValueError) as err:
+                parser.error(f"{path}: {name}: {value!r}: {err}")
+    return typed
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -41,8 +41,8 @@ class DataArguments:
         "help": "evaluation split; if the dataset has none, --eval_fraction of the training text is held out"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of the training text held out, in (0, 1)"})
     block_size: int = field(default=64, metadata={"help": "tokens per training / evaluation block (>= 2)"})
-    max_train_blocks: int | None = field(default=None, metadata={"help": "training blocks kept; None = all"})
-    max_eval_blocks: int | None = field(default=64, metadata={"help": "per evaluation set; None = all"})
+    max_train_blocks: int | None = field(default=None, metadata={"help": "training blocks kept; 0 = all"})
+    max_eval_blocks: int | None = field(default=64, metadata={"help": "per evaluation set; 0 = all"})
 
 
 @dataclass
@@ -51,9 +51,10 @@ class LossArguments:
         "help": "ce or mhce; default: the loss saved in --model's checkpoint, else mhce", "choices": ["ce", "mhce"]})
     num_heads: int | None = field(default=None, metadata={
         "help": "MHCE heads (must divide the hidden size); default: the checkpoint's, else 4"})
-    label_smoothing: float = field(default=0.0, metadata={
-        "help": "in the fused loss (--label_smoothing_factor is routed here)"})
-    z_loss: float = field(default=0.0, metadata={"help": "weight of the z-loss (log-partition squared) in the fused loss"})
+    label_smoothing: float | None = field(default=None, metadata={
+        "help": "in the fused loss (--label_smoothing_factor is routed here); default: --model's saved value, else 0"})
+    z_loss: float | None = field(default=None, metadata={
+        "help": "weight of the z-loss (log-partition squared) in the fused loss; default: --model's saved value, else 0"})
     override_saved: bool = field(default=False, metadata={
         "help": "allow a --loss/--num_heads different from the one saved in a checkpoint"})
     rbe_plots: bool = field(default=True, metadata={"help": "write RBE plots to <output_dir>/rbe (matplotlib)"})
@@ -66,8 +67,9 @@ class LoraArguments:
     lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 trains the full model"})
     lora_alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
     lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
-    lora_target_modules: str = field(default="q_proj,v_proj", metadata={
-        "help": "comma-separated module names, or all-linear; add lm_head to adapt the head (exact with the fused loss)"})
+    lora_target_modules: str | None = field(default=None, metadata={
+        "help": "comma-separated module names, or all-linear; add lm_head to adapt the head (exact with the fused "
+                "loss); default: PEFT's for the architecture (q_proj,v_proj for Llama, c_attn for GPT-2)"})
 
 
 @dataclass
@@ -116,6 +118,11 @@ def requested_loss(loss_args, saved: dict | None) -> tuple[str | None, int | Non
     return loss, heads
 
 
+def loss_options(loss_args) -> dict:
+    """The fused loss's options given on the command line; one left out keeps --model's saved value."""
+    return {name: getattr(loss_args, name) for name in ("label_smoothing", "z_loss") if getattr(loss_args, name) is not None}
+
+
 def checkpoint_facts(path: str, trust_remote_code: bool = False) -> tuple[dict | None, object]:
     """patching.config.checkpoint_config of --model, after naming a local path that does not exist.
     An adapter saved without hf_mhce.json gets its base's record, as from_pretrained gives it."""
@@ -152,16 +159,20 @@ def min_vocab_size() -> int:
     return len(pre_tokenizers.ByteLevel.alphabet()) + len(SPECIAL_TOKENS)
 
 
-def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict | None, object | None]:
+def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | None = None
+                    ) -> tuple[dict | None, object | None]:
     """Refuse inconsistent options before any data is read or tokenizer trained; returns
-    ``checkpoint_facts`` of --model ((None, None) without one)."""
-    from ..patching.config import resolve_config
+    ``checkpoint_facts`` of --model ((None, None) without one).  ``resume``: --resume_from_checkpoint."""
+    from ..patching.config import adapter_base, resolve_config
 
     if lora_args.lora_r < 0:
         raise ValueError(f"--lora_r {lora_args.lora_r} must be >= 0 (0 trains the full model)")
     if lora_args.lora_r > 0 and not model_args.model:
         raise ValueError("--lora_r adapts a pretrained model: give its checkpoint with --model (without one the base "
                          "is a random Llama that is never saved, so the adapter could not be loaded again)")
+    if lora_args.lora_r > 0 and model_args.model and adapter_base(model_args.model) is not None:
+        raise ValueError(f"--model {model_args.model} is a LoRA adapter: leave out --lora_r to train it on, or merge "
+                         "it into its base model first (a second adapter on top is not supported)")
     if loss_args.rbe_plots:
         from ..rbe import plots
 
@@ -181,17 +192,17 @@ def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict |
         raise ValueError(f"--block_size {data_args.block_size}: a block needs at least 2 tokens (an input and its target)")
     if not 0 < data_args.eval_fraction < 1:
         raise ValueError(f"--eval_fraction {data_args.eval_fraction} must be in (0, 1): the share held out for evaluation")
-    for name in ("max_train_blocks", "max_eval_blocks"):
-        if getattr(data_args, name) is not None and getattr(data_args, name) < 1:
-            raise ValueError(f"--{name} {getattr(data_args, name)} must be at least 1 (leave it out for all blocks)")
+    for name in ("max_train_blocks", "max_eval_blocks"):  # 0: all (argparse cannot give an int option None)
+        if getattr(data_args, name) is not None and getattr(data_args, name) < 0:
+            raise ValueError(f"--{name} {getattr(data_args, name)} must be at least 0 (0: all blocks)")
+        setattr(data_args, name, getattr(data_args, name) or None)
     if loss_args.sample_tokens < 0 or (loss_args.sample_tokens and not loss_args.sample_prompt):
         raise ValueError("--sample_tokens must be >= 0 and --sample_prompt not empty (--sample_tokens 0: no sample)")
     saved, config = checkpoint_facts(model_args.model, model_args.trust_remote_code) if model_args.model else (None, None)
     # the config the model will be patched with, resolved against the checkpoint's record as
     # build_model's apply_patch will: a refused change of the saved loss is named before the data is read
     loss, heads = requested_loss(loss_args, saved)
-    cfg = explained(resolve_config, saved, None, loss, heads,
-                    {"label_smoothing": loss_args.label_smoothing, "z_loss": loss_args.z_loss}, loss_args.override_saved)
+    cfg = explained(resolve_config, saved, None, loss, heads, loss_options(loss_args), loss_args.override_saved)
     if config is not None:  # a longer block fails in the model's position embedding, mid-training
         from ..cli import block_size_refusal, config_max_positions
 
@@ -203,6 +214,12 @@ def check_arguments(model_args, data_args, loss_args, lora_args) -> tuple[dict |
     if cfg.loss == "mhce" and hidden and hidden % cfg.num_heads:
         where = f"the hidden size {hidden} of {model_args.model}" if config is not None else f"--hidden_size {hidden}"
         raise ValueError(f"--num_heads {cfg.num_heads} does not divide {where}")
+    resumed = checkpoint_facts(resume, model_args.trust_remote_code)[0] if resume else None
+    if resumed is not None and not loss_args.override_saved and (cfg.loss, cfg.num_heads) != (
+            resumed["loss"], resumed["num_heads"]):  # its weights would go on training as another model, silently
+        raise ValueError(f"--resume_from_checkpoint {resume} was trained with --loss {resumed['loss']} --num_heads "
+                         f"{resumed['num_heads']}, this run patches --loss {cfg.loss} --num_heads {cfg.num_heads}: "
+                         "give the checkpoint's (or --override_saved)")
     return saved, config
 
 

@@ -19,7 +19,7 @@ from .. import patching
 from ..rbe import RBECallback
 from . import corpus
 from .arguments import (TRUST_REMOTE_CODE, DataArguments, check_arguments, check_schedule, explained,
-                        fuse_label_smoothing, requested_loss)
+                        fuse_label_smoothing, loss_options, requested_loss)
 
 DEFAULT_EVAL_SPLIT = DataArguments.eval_split
 # what a save leaves in output_dir: a full model, or a PEFT adapter (with hf_mhce's record beside it)
@@ -51,12 +51,14 @@ def build_model(model_args, loss_args, tokenizer, saved=None):
     loss config the checkpoint records, see arguments.requested_loss)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from ..patching.config import adapter_base
     from ..rbe.data import remote_code_option
 
     loss, num_heads = requested_loss(loss_args, saved)
-    options = dict(loss=loss, num_heads=num_heads, override_saved=loss_args.override_saved,
-                   label_smoothing=loss_args.label_smoothing, z_loss=loss_args.z_loss)
+    options = dict(loss=loss, num_heads=num_heads, override_saved=loss_args.override_saved, **loss_options(loss_args))
     if model_args.model:  # patched as it loads: no interim record a requested loss would have to override
+        if adapter_base(model_args.model) is not None:  # an adapter: trained on (PEFT loads it frozen)
+            options["is_trainable"] = True
         with remote_code_option(TRUST_REMOTE_CODE):
             return explained(patching.from_pretrained, model_args.model, trust_remote_code=model_args.trust_remote_code,
                              **options)
@@ -76,12 +78,16 @@ def add_lora(model, lora_args):
         return model
     from peft import LoraConfig, get_peft_model
 
-    targets = lora_args.lora_target_modules
-    targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+    given = lora_args.lora_target_modules
+    targets = given if given in (None, "all-linear") else [t.strip() for t in given.split(",") if t.strip()]
     config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
+    try:
+        adapted = get_peft_model(model, config)
+    except ValueError as err:  # no such module, or none given: PEFT's message does not name the option
+        raise ValueError(f"--lora_target_modules {given!r}: {err}") from None
     # patched again as a PeftModel (same config), so that saving the adapter writes hf_mhce.json
-    return patching.apply_patch(get_peft_model(model, config))
+    return patching.apply_patch(adapted)
 
 
 def build_datasets(data_args):
@@ -144,7 +150,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     started = time.time()
     with _refusing():
         check_schedule(training_args)
-        saved, config = check_arguments(model_args, data_args, loss_args, lora_args)
+        saved, config = check_arguments(model_args, data_args, loss_args, lora_args, training_args.resume_from_checkpoint)
         fuse_label_smoothing(loss_args, training_args)
         set_seed(training_args.seed)
         train_texts, eval_texts = build_datasets(data_args)
@@ -155,6 +161,9 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
         eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks),
                                            f"eval set {name!r}") for name, texts in eval_texts.items()}
         model = add_lora(build_model(model_args, loss_args, tokenizer, saved), lora_args)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if getattr(base, "loss_type", None) is None:  # GPT-2's: the Trainer then counts labels[:, 0] as targets
+            base.loss_type = "ForCausalLM"  # and divides the summed loss by T of T - 1 targets per row
         n_params = sum(p.numel() for p in model.parameters())
         rbe = RBECallback(plot=loss_args.rbe_plots)
         trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
@@ -162,7 +171,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     final = trainer.evaluate()
     if trainer.is_world_process_zero():
-        clear_previous_save(training_args.output_dir, adapter=lora_args.lora_r > 0)
+        clear_previous_save(training_args.output_dir, adapter=hasattr(trainer.model, "peft_config"))
     trainer.save_model(training_args.output_dir)
     tokenizer.save_pretrained(training_args.output_dir)
     sample = sample_error = None

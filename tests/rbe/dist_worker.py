@@ -16,6 +16,7 @@ import io
 import json
 import os
 import sys
+import warnings
 
 import torch
 
@@ -33,6 +34,31 @@ def eval_sets():
     process 1 (5 rows)."""
     return {"mixed": mixed_dataset(8, seed=5), "ragged": mixed_dataset(7, seed=6, ragged=True),
             "short": mixed_dataset(5, seed=7)}
+
+
+def uneven_lengths(rows):
+    """The rows cut to lengths 16, 11, 6, 14, ...: batches of them are padded."""
+    return [{k: v[: 16 - (5 * i) % 11] for k, v in row.items()} for i, row in enumerate(rows)]
+
+
+def positioned_collate(left: bool):
+    """pad_collate with position_ids that are 0 at the padding, as many collators give them: right padding
+    with arange * mask, or left padding with (cumsum - 1).clamp(0).  Padding starts no sample."""
+    from hf_mhce.rbe.evaluate import pad_collate
+
+    def collate(rows):
+        batch = pad_collate(rows)
+        mask = batch["attention_mask"]
+        if left:  # move each row's padding to its front
+            order = torch.argsort(mask, dim=1, stable=True)
+            batch = {k: v.gather(1, order) for k, v in batch.items()}
+            mask = batch["attention_mask"]
+            batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        else:
+            batch["position_ids"] = torch.arange(mask.shape[1]) * mask
+        return batch
+
+    return collate
 
 
 def model():
@@ -79,18 +105,38 @@ def run(out_dir: str) -> dict:
     sent = Trainer(model=trainer.model, args=dispatch_args, eval_dataset=eval_sets()["short"], callbacks=[dispatched])
     with contextlib.redirect_stdout(io.StringIO()):
         metrics.update(sent.evaluate(metric_key_prefix="dispatched"))
+    callbacks = [callback, packed, dispatched]
+    for side in ("right", "left"):  # padding at position 0 used to count as packed samples: real rows dropped
+        counted = RBECallback()
+        callbacks.append(counted)
+        padded = Trainer(model=trainer.model, args=args, eval_dataset=uneven_lengths(eval_sets()["ragged"]),
+                         callbacks=[counted],
+                         data_collator=positioned_collate(left=side == "left"))
+        with contextlib.redirect_stdout(io.StringIO()):
+            metrics.update(padded.evaluate(metric_key_prefix=f"{side}_padded"))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     result = {
         "world_size": world,
         "trainer": {"metrics": {k: v for k, v in metrics.items() if "_rbe_" in k},
-                    "stats": {p: _stats(s) for p, s in {**callback.last_stats, **packed.last_stats,
-                                                          **dispatched.last_stats}.items()}},
+                    "stats": {p: _stats(s) for c in callbacks for p, s in c.last_stats.items()}},
     }
     rows = eval_sets()["mixed"]  # a DistributedSampler pads uneven sets: this one splits evenly
     sampler = DistributedSampler(rows, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
     report = evaluate(trainer.model, DataLoader(rows, batch_size=1, sampler=sampler, collate_fn=pad_collate))
     result["standalone"] = {"metrics": report.as_dict(), "stats": {"mixed": _stats(report.stats)}}
+    result["warnings"] = {}
+    with warnings.catch_warnings(record=True) as caught:  # the same rows in every process: counted twice
+        warnings.simplefilter("always")
+        evaluate(trainer.model, rows)
+    result["warnings"]["same_rows"] = [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:  # accelerate completes the last batch with repeats
+        warnings.simplefilter("always")
+        evaluate(trainer.model, trainer.get_eval_dataloader(eval_sets()["ragged"]))
+    result["warnings"]["even_batches"] = [str(w.message) for w in caught]
+    if rank == 0:  # one process alone: was a hang in the all-reduce
+        alone = evaluate(trainer.model, rows, all_reduce=False)
+        result["rank0_alone"] = {"mixed": _stats(alone.stats)}
     return result
 
 

@@ -52,11 +52,19 @@ def test_two_processes_match_one(tmp_path, monkeypatch):
 
     single = _single_process_reference(tmp_path, monkeypatch)
     assert single["world_size"] == 1
-    assert set(single["trainer"]["stats"]) == {"eval_mixed", "eval_ragged", "eval_short", "packed", "dispatched"}
-    metrics = single["trainer"]["metrics"]  # packing leaves the counted tokens as they are
+    assert set(single["trainer"]["stats"]) == {"eval_mixed", "eval_ragged", "eval_short", "packed", "dispatched",
+                                               "right_padded", "left_padded"}
+    metrics = single["trainer"]["metrics"]  # packing leaves the counted tokens as they are, so does the padding side
     assert metrics["packed_rbe_num_tokens"] == metrics["eval_ragged_rbe_num_tokens"]
+    assert metrics["right_padded_rbe_num_tokens"] == metrics["left_padded_rbe_num_tokens"] > 0
     assert single["trainer"]["metrics"]["eval_mixed_rbe_num_tokens"] == 8 * 15
     assert single["trainer"]["metrics"]["eval_short_rbe_num_tokens"] == 5 * 15
     assert single["trainer"]["metrics"]["dispatched_rbe_num_tokens"] == 5 * 15
     _assert_same(dist["trainer"], single["trainer"], "Trainer.evaluate")
     _assert_same(dist["standalone"], single["standalone"], "rbe.evaluate")
+    assert single["warnings"] == {"same_rows": [], "even_batches": []}
+    assert dist["warnings"]["same_rows"] == ["all 2 processes evaluated the same tokens, which the RBE statistics "
+                                             "count 2 times (num_tokens); give each process its share of the rows, "
+                                             "or all_reduce=False"]
+    assert len(dist["warnings"]["even_batches"]) == 1 and "repeated rows" in dist["warnings"]["even_batches"][0]
+    assert dist["rank0_alone"] == single["rank0_alone"]  # all of the rows, in process 0 alone

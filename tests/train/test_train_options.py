@@ -124,7 +124,7 @@ def test_a_used_output_dir_is_not_mixed_into(plain, tmp_path):
     (["--num_heads", "0"], "num_heads must be a positive int, got 0"),
     (["--block_size", "1"], "--block_size 1: a block needs at least 2 tokens"),
     (["--eval_fraction", "1.5"], "--eval_fraction 1.5 must be in (0, 1)"),
-    (["--max_eval_blocks", "0"], "--max_eval_blocks 0 must be at least 1"),
+    (["--max_eval_blocks", "-1"], "--max_eval_blocks -1 must be at least 0 (0: all blocks)"),
     (["--sample_tokens", "-1"], "--sample_tokens must be >= 0"),
     (["--sample_prompt", ""], "--sample_prompt not empty"),
     (["--model", "./no/such/dir"], "--model ./no/such/dir: no such directory"),
