@@ -45,10 +45,17 @@ class LogitFacts:
     multiply_attr: str | None = None  # logits * config.<attr>  (Cohere logit_scale, HyperCLOVAX logits_scaling)
     divide_attr: str | None = None  # logits / config.<attr>    (Granite logits_scaling)
     softcap_attr: str | None = None  # cap * tanh(logits / cap) if set (Gemma-2/3)
+    # Where the forward reads the multiplier / divisor: an attribute path from the model ("" = model.config).
+    # Cohere copies config.logit_scale to model.logit_scale at __init__, Falcon-H1 to model.model.lm_head_multiplier,
+    # and multiplies by that copy: an edit of either one then shows only where the forward reads it.
+    scale_owner: str | None = None
+    float32_softcap: bool = False  # the logits are upcast to float32 before the soft-cap (BEAM)
+    float32_logits: bool = False  # the logits are always upcast to float32 (xLSTM)
 
 
 _PLAIN = LogitFacts()
 _SOFTCAP = LogitFacts(softcap_attr="final_logit_softcapping")
+_COHERE = LogitFacts(multiply_attr="logit_scale", scale_owner="")
 
 # model_type -> facts.  Tested in tests/patching against the unpatched model.
 FAMILIES: dict[str, LogitFacts] = {
@@ -66,16 +73,16 @@ FAMILIES: dict[str, LogitFacts] = {
     "vaultgemma": _SOFTCAP,
     "nanochat": _SOFTCAP,
     "gemma3n_text": _SOFTCAP,
-    "beam": _SOFTCAP,  # MoE, router logits only
+    "beam": LogitFacts(softcap_attr="final_logit_softcapping", float32_softcap=True),  # MoE, router logits only
     "paligemma": _SOFTCAP,  # PaliGemma 2 caps with its Gemma-2 text config's value (PaliGemma 1: none)
-    "cohere": LogitFacts(multiply_attr="logit_scale"),
-    "cohere2": LogitFacts(multiply_attr="logit_scale"),
+    "cohere": _COHERE,
+    "cohere2": _COHERE,
     "granite": LogitFacts(divide_attr="logits_scaling"),
     "granite_swa": LogitFacts(divide_attr="logits_scaling"),
     "hyperclovax": LogitFacts(multiply_attr="logits_scaling"),
-    "falcon_h1": LogitFacts(multiply_attr="lm_head_multiplier"),
+    "falcon_h1": LogitFacts(multiply_attr="lm_head_multiplier", scale_owner="model"),
     "recurrent_gemma": LogitFacts(softcap_attr="logits_soft_cap"),
-    "xlstm": LogitFacts(softcap_attr="output_logit_soft_cap"),
+    "xlstm": LogitFacts(softcap_attr="output_logit_soft_cap", float32_logits=True),
     # mixture-of-experts families: their router's load-balancing loss is found by routers.router_facts
     "mixtral": _PLAIN,
     "qwen2_moe": _PLAIN,
@@ -87,7 +94,7 @@ FAMILIES: dict[str, LogitFacts] = {
     "granitemoeshared": LogitFacts(divide_attr="logits_scaling"),
     "granitemoe_swa": LogitFacts(divide_attr="logits_scaling"),
     "glm4_moe": _PLAIN,  # router logits only: no load-balancing loss
-    "cohere2_moe": LogitFacts(multiply_attr="logit_scale"),  # router logits only
+    "cohere2_moe": _COHERE,  # router logits only
 }
 TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 
@@ -265,13 +272,19 @@ def logit_transform(model: nn.Module, facts: LogitFacts) -> tuple[float | None, 
     """(multiplier, divisor, softcap) read from the model's config; None where absent."""
     config = model.config
 
-    def read(attr):
+    def read(attr, owner=None):
+        if attr and owner is not None:  # the copy the forward reads, e.g. model.logit_scale
+            holder = functools.reduce(getattr, owner.split(".") if owner else (), model)
+            if hasattr(holder, attr):
+                value = getattr(holder, attr)
+                return None if value is None else float(value)
         value = getattr(config, attr, None) if attr else None
         if value is None and attr and hasattr(config, "get_text_config"):  # a vision-language model's text config
             value = getattr(config.get_text_config(), attr, None)
         return None if value is None else float(value)
 
-    return read(facts.multiply_attr), read(facts.divide_attr), read(facts.softcap_attr)
+    return (read(facts.multiply_attr, facts.scale_owner), read(facts.divide_attr, facts.scale_owner),
+            read(facts.softcap_attr))
 
 
 def output_type(model_class: type) -> type:

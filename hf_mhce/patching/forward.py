@@ -350,6 +350,8 @@ def _logits(model, state, hidden):
             out[rows] = part
         return out
     logits = head(hidden)  # the module itself: every PEFT wrapper (mixed-adapter batches too) behaves as in the original
+    if state.facts.float32_logits or (softcap is not None and state.facts.float32_softcap):
+        logits = logits.float()  # as the family's forward: its soft-cap runs in float32, its logits are float32
     if multiply is not None:
         logits = logits * multiply
     if divide is not None:

@@ -85,6 +85,33 @@ def test_listed_family_matches_unpatched(model_type):
         assert not torch.allclose(ours, ref(input_ids=ids, labels=labels).loss), fact
 
 
+@pytest.mark.parametrize("model_type", ["cohere", "cohere2", "cohere2_moe", "falcon_h1"])
+def test_a_scale_is_read_where_the_forward_reads_it(model_type):
+    """Cohere's forward multiplies by model.logit_scale, Falcon-H1's by model.model.lm_head_multiplier:
+    copies of the config value made at __init__.  The patched model read the config, so an edit of either
+    one gave another loss and other logits than the model's own, silently."""
+    attr = FAMILIES[model_type].multiply_attr
+    ref = tiny(model_type, **{attr: 3.0})
+    model = apply_patch(twin(ref))
+    for m in (ref, model):
+        setattr(m.model if model_type == "falcon_h1" else m, attr, 0.5)  # what the forward multiplies by
+        setattr(m.config, attr, 7.0)  # which that forward no longer reads
+    check_equal(ref, model)
+
+
+@pytest.mark.parametrize("model_type", ["beam", "xlstm"])
+def test_float32_logits_where_the_family_computes_them(model_type):
+    """BEAM soft-caps in float32, xLSTM returns float32 logits: a bf16 model's patched logits were bf16,
+    capped by a bf16 tanh (other values, other greedy tokens)."""
+    ref = tiny(model_type, **{FAMILIES[model_type].softcap_attr: 2.0}).to(torch.bfloat16).eval()
+    model = apply_patch(twin(ref))
+    ids = batch()[0]
+    with torch.no_grad():
+        want, got = ref(ids).logits, model(ids).logits
+    assert want.dtype == got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
 # Outside the table: Phi's head has a bias, Mamba's output carries cache_params, Llama-4's decoder is
 # not found by get_decoder() (decoder_of falls back on .model) and it returns router logits.
 PROBED = {"phi": {}, "mamba": dict(state_size=8), "falcon_mamba": dict(state_size=8),
