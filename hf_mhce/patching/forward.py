@@ -59,6 +59,7 @@ class PatchState:
     router: RouterFacts | None = None  # a mixture of experts' load-balancing loss (routers.py)
     foreign: dict = field(default_factory=dict)  # a replaced forward's own options: {name: default} (probe.py)
     autocast: object = None  # accelerate's mixed-precision autocast the forward ran under (methods.py)
+    fused_autocast: object = None  # the one around the TRL fused head adopted last, for its calls (methods.py)
     fused_head: dict = field(default_factory=dict)  # TRL's add_fused_lm_head options, once seen (fused_head.py)
     reference_checked: bool = False  # the reference model of the TRL trainer adopted last (trl_reference.py)
 

@@ -54,9 +54,32 @@ def bind_forward(model: nn.Module) -> None:
     if state.autocast is not None and state.attr == "forward":
         from accelerate.utils.operations import convert_outputs_to_fp32
 
-        fn = convert_outputs_to_fp32(state.autocast(fn))  # as Accelerator.prepare_model builds it
+        patched = fn
+
+        def under_autocast(self, *args, **kwargs):
+            with call_autocast(self.__dict__[STATE_ATTR], kwargs):
+                return patched(self, *args, **kwargs)
+
+        fn = convert_outputs_to_fp32(under_autocast)  # as Accelerator.prepare_model builds it
         fn.hf_mhce_patched = True
     model.__dict__[state.attr] = types.MethodType(fn, model)
+
+
+def call_autocast(state, kwargs):
+    """The autocast one call of the patched forward runs under, read from the state at each call (a later
+    TRL trainer may change it): a TRL fused-head call's is the one around that trainer's head alone, any
+    other call's the forward's.  A fresh context with the same settings: re-entering the instance that
+    accelerate's own wrapper may already be inside would corrupt the state torch.autocast saves on it."""
+    import contextlib
+
+    import torch
+
+    fused = state.fused_head and (kwargs.get("fused_lm_head") or kwargs.get(FUSED_REROUTE_KWARG))
+    autocast = state.fused_autocast if fused else state.autocast
+    if autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(autocast.device, dtype=autocast.fast_dtype, enabled=autocast._enabled,
+                          cache_enabled=autocast._cache_enabled)
 
 
 def accelerate_autocast(forward):
@@ -186,7 +209,10 @@ def adopt_trl_head(state, forward) -> None:
     trl = trl_head_options(forward)
     if trl is not None:  # the outermost wrapper's: the last trainer built on the model
         state.fused_head = {k: trl[k] for k in DEFAULT_OPTIONS}
-        state.autocast = accelerate_autocast(forward) or accelerate_autocast(under_trl_heads(forward)) or state.autocast
+        # TRL's head calls the backbone itself, under this trainer's autocast alone: one that an earlier trainer
+        # left on the forward inside (which a plain call still passes through) would run an fp32 trainer in bf16
+        state.fused_autocast = accelerate_autocast(forward)
+        state.autocast = state.fused_autocast or accelerate_autocast(under_trl_heads(forward)) or state.autocast
         state.reference_checked = False  # a new trainer: its reference model is checked at its first call
 
 

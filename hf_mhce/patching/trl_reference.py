@@ -29,8 +29,14 @@ def check_reference_model(state, max_depth: int = 64) -> bool:
     if trainer is None:
         return False
     reference = getattr(trainer, "ref_model", None)
+    precomputed = bool(getattr(trainer, "precompute_ref_logps", False))  # DPO, KTO: scored in __init__
+    if state.config.loss == "mhce" and trainer.__dict__.get(_STALE):
+        raise UnpatchedReferenceError(_stale_message(trainer, state))
     if state.config.loss != "mhce" or not isinstance(reference, nn.Module) or _patched(reference):
         return True  # CE: a plain model has the same distribution
+    if precomputed:  # patching the reference now would leave its cached log-probs as they are
+        trainer.__dict__[_STALE] = True
+        raise UnpatchedReferenceError(_stale_message(trainer, state))
     inner = _inner(reference)
     source = getattr(getattr(inner, "config", None), "_name_or_path", "") or "the policy's checkpoint"
     raise UnpatchedReferenceError(
@@ -42,6 +48,18 @@ def check_reference_model(state, max_depth: int = 64) -> bool:
         "ref_model=hf_mhce.from_pretrained(...) where the trainer takes one; to keep a plain-softmax reference on "
         "purpose: hf_mhce.apply_patch(trainer.ref_model, 'ce')"
     )
+
+
+_STALE = "_hf_mhce_stale_reference_logps"
+
+
+def _stale_message(trainer, state) -> str:
+    return (f"{type(trainer).__name__} was built with precompute_ref_log_probs=True and a reference model not patched "
+            f"by hf_mhce, while the policy is an MHCE model (num_heads={state.config.num_heads}): the reference "
+            "log-probs were already computed, with one softmax over the whole head, when the trainer was built, and "
+            "patching trainer.ref_model now would not change them. Build the trainer again with "
+            "ref_model=hf_mhce.apply_patch(ref_model) (or hf_mhce.from_pretrained(...)), or with ref_model=None "
+            "(the policy then scores the reference itself).")
 
 
 def _inner(model: nn.Module) -> nn.Module:

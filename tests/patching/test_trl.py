@@ -217,3 +217,38 @@ def test_a_second_trainer_on_the_same_model():
         assert reaches_patched_forward(trainer.model)
         losses.append(_logs(trainer)[0]["loss"])
     assert losses[1] == losses[0]
+
+
+def test_an_fp32_trainer_after_a_bf16_one_runs_in_fp32():
+    """A bf16 trainer leaves accelerate's autocast on the forward; a later fp32 trainer's TRL head calls the
+    backbone itself, outside it.  The patched model kept the bf16 autocast for those calls (loss and
+    grad_norm 3e-4 off); now its logs equal the unpatched model's to float32 rounding."""
+    logs = []
+    for patch in (False, True):
+        model = hf_mhce.apply_patch(_model()) if patch else _model()
+        _sft(model, bf16=True, max_steps=1, learning_rate=0.0).train()
+        second = _sft(model, max_steps=2, optim="sgd", learning_rate=0.5)
+        second.train()
+        logs.append(_logs(second, ("loss", "entropy", "grad_norm")))
+    for got, want in zip(*reversed(logs), strict=True):
+        assert got == pytest.approx(want, rel=2e-6)
+
+
+def test_precomputed_reference_log_probs_of_an_unpatched_reference_stay_refused():
+    """With precompute_ref_log_probs=True the reference scored the data with a plain softmax when the trainer
+    was built: patching trainer.ref_model afterwards, as the first refusal advised, trained on those stale
+    log-probs (policy == reference gave a DPO loss of 0.681, not log 2).  The refusal now stays and says
+    to build the trainer again; with a patched reference it trains (loss log 2)."""
+    def dpo(reference):
+        policy = hf_mhce.apply_patch(_model(), loss="mhce", num_heads=2)
+        return DPOTrainer(model=policy, ref_model=reference, train_dataset=_dpo_data(), processing_class=_tokenizer(),
+                          args=_args(DPOConfig, max_steps=1, learning_rate=0.0, precompute_ref_log_probs=True))
+
+    trainer = dpo(_model())
+    for _ in range(2):
+        with pytest.raises(UnpatchedReferenceError, match="precompute_ref_log_probs=True .* Build the trainer again"):
+            trainer.train()
+        hf_mhce.apply_patch(trainer.ref_model, loss="mhce", num_heads=2)
+    trainer = dpo(hf_mhce.apply_patch(_model(), loss="mhce", num_heads=2))
+    trainer.train()
+    assert [h for h in trainer.state.log_history if "loss" in h][0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
