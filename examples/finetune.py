@@ -60,7 +60,7 @@ from transformers import HfArgumentParser
 from reporting import save_figure, write_report
 
 from hf_mhce.train import DataArguments, LoraArguments, ModelArguments, TrainArguments
-from hf_mhce.train.arguments import fuse_label_smoothing
+from hf_mhce.train.arguments import check_block_limits, checkpoint_facts, fuse_label_smoothing
 from hf_mhce.train.job import end_distributed
 
 # Pure-Python standard-library modules for the default fine-tuning data (none of them is in the
@@ -89,8 +89,8 @@ class FinetuneLossArguments:
     num_heads: int | None = field(default=None, metadata={"help": "MHCE heads; default: the checkpoint's"})
     override_saved: bool = field(default=False, metadata={
         "help": "allow a --loss/--num_heads different from the one an hf_mhce checkpoint records"})
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
+    label_smoothing: float | None = field(default=None, metadata={"help": "default: the checkpoint's (plain: 0)"})
+    z_loss: float | None = field(default=None, metadata={"help": "default: the checkpoint's (plain: 0)"})
 
 
 @dataclass
@@ -113,7 +113,7 @@ def parse(argv: list[str]):
     if "--quick" in argv:
         argv = QUICK + argv  # later options win
     args = parser.parse_args_into_dataclasses(args=argv)
-    if "--output_dir" not in argv:
+    if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in argv):
         args[-1].output_dir = os.path.join(args[0].out, "model")
     return args
 
@@ -135,6 +135,8 @@ def pretrain(example, model_args, data_args, loss_args, training_args) -> tuple[
             "--per_device_train_batch_size", str(training_args.per_device_train_batch_size),
             "--per_device_eval_batch_size", str(training_args.per_device_eval_batch_size),
             "--report_to", "none", "--sample_tokens", "16"]
+    if training_args.use_cpu:  # as the fine-tuning (under accelerate launch: one gloo DDP run, not one per process)
+        argv.append("--use_cpu")
     for name in ("max_train_blocks", "max_eval_blocks"):
         if getattr(data_args, name) is not None:
             argv += [f"--{name}", str(getattr(data_args, name))]
@@ -155,16 +157,17 @@ def write_code_dataset(out: str) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     import torch  # noqa: F401  (before transformers' Trainer, as usual)
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer, default_data_collator, set_seed
 
     import hf_mhce
+    from hf_mhce.patching.config import adapter_base
     from hf_mhce.train import corpus
-    from hf_mhce.train.job import build_datasets, build_tokenizer
+    from hf_mhce.train.job import build_datasets, build_tokenizer, count_shifted_targets, lora_model, parameter_count
 
     argv = list(sys.argv[1:] if argv is None else argv)
     example, model_args, data_args, loss_args, lora_args, training_args = parse(argv)
     fuse_label_smoothing(loss_args, training_args)
+    check_block_limits(data_args)
     started = time.time()
     pretrained = None
     if model_args.model is None:
@@ -179,7 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
         train_texts, eval_texts = build_datasets(data_args)
     if pretrained is not None and default_data:
         eval_texts["docs"] = corpus.embedded_texts()[1]  # the pretraining domain: what fine-tuning costs there
-    tokenizer = build_tokenizer(model_args, train_texts)
+    # checked against the model's vocabulary (an adapter's: its base's)
+    tokenizer = build_tokenizer(model_args, train_texts, checkpoint_facts(model_args.model, model_args.trust_remote_code)[1])
     block = data_args.block_size
     train_ds = corpus.lm_dataset(corpus.token_blocks(train_texts, tokenizer, block, data_args.max_train_blocks))
     eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks))
@@ -187,20 +191,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     # the model: load, (LoRA), patch with the fused loss (kept from the checkpoint unless --loss/--num_heads).
     # apply_patch after get_peft_model, so that the PeftModel's save (the adapter) writes the card section too.
-    model = AutoModelForCausalLM.from_pretrained(model_args.model)
+    if adapter_base(model_args.model) is not None:  # an adapter saved earlier: trained on, with its hf_mhce.json
+        if lora_args.lora_r > 0:
+            raise ValueError(f"--model {model_args.model} is a LoRA adapter, trained on as it is: leave out --lora_r")
+        model = hf_mhce.from_pretrained(model_args.model, is_trainable=True,  # PEFT would load it frozen
+                                        trust_remote_code=model_args.trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_args.model, trust_remote_code=model_args.trust_remote_code)
     if lora_args.lora_r > 0:
-        targets = lora_args.lora_target_modules
-        targets = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-        model = get_peft_model(model, LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha,
-                                                 lora_dropout=lora_args.lora_dropout, target_modules=targets,
-                                                 task_type="CAUSAL_LM"))
+        model = lora_model(model, lora_args)
     loss = loss_args.loss or ("mhce" if loss_args.num_heads else None)
+    given = {k: getattr(loss_args, k) for k in ("label_smoothing", "z_loss") if getattr(loss_args, k) is not None}
     model = hf_mhce.apply_patch(model, loss=loss, num_heads=loss_args.num_heads if loss != "ce" else None,
-                                override_saved=loss_args.override_saved, label_smoothing=loss_args.label_smoothing,
-                                z_loss=loss_args.z_loss)
+                                override_saved=loss_args.override_saved, **given)  # the others: the checkpoint's
+    count_shifted_targets(model)  # GPT-2 has no loss_type: the Trainer would count labels[:, 0] as targets
     loss_config = dict(model.config.hf_mhce)  # what the fine-tuned model will mean (saved with it)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    trainable, total = parameter_count(model, trainable=True), parameter_count(model)
 
     # Trainer + RBECallback: every evaluation gets the RBE decomposition of its loss
     rbe = hf_mhce.RBECallback(plot=True)
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     training_args.eval_on_start = True
     trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                       data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
-    train_output = trainer.train()
+    train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     before = step_zero_metrics(trainer.state.log_history)
     after = trainer.evaluate()
     trainer.save_model(training_args.output_dir)  # the adapter with LoRA; the card's hf_mhce section either way
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
         for when, metrics in (("before", before), ("after", after)):
             p = f"eval_{name}"
             rows.append({"eval_set": name, "when": when, "loss": metrics[f"{p}_loss"],
-                         "ppl": math.exp(metrics[f"{p}_loss"]),
+                         # the model's own NLL: eval_loss adds label smoothing / z-loss where configured
+                         "ppl": math.exp(metrics[f"{p}_rbe_cross_entropy"]),
                          **{c: metrics[f"{p}_rbe_{c}"] for c in ("cross_entropy", "error_entropy", "self_alignment",
                                                                   "confidence", "top1", "num_tokens")}})
     result = {

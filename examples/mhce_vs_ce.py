@@ -83,8 +83,8 @@ def parse_args(argv=None):
     args, extra = p.parse_known_args(argv)
     if args.seeds is None:
         args.seeds = [0] if args.quick else [0, 1]
-    if 1 not in args.heads:
-        p.error("--heads must include 1 (the CE baseline)")
+    if 1 not in args.heads or len(set(args.heads)) < 2:
+        p.error("--heads must include 1 (the CE baseline) and at least one H > 1")
     hidden = _hidden_size(extra, (REDUCED if args.quick else DEFAULT)["hidden_size"])
     bad = [h for h in args.heads if h < 1 or hidden % h]
     if bad:  # before any run starts, not as a failed training job

@@ -52,7 +52,7 @@ def eval_metrics(summary: dict) -> dict:
     final = summary["final_eval"]
     row = {}
     for s in EVAL_SETS:
-        row[f"{s}_loss"] = final[f"eval_{s}_loss"]
+        row[f"{s}_loss"] = final[f"eval_{s}_rbe_cross_entropy"]  # -log p(target): eval_loss adds smoothing / z-loss
         for c in COMPONENTS:
             row[f"{s}_{c}"] = final[f"eval_{s}_rbe_{c}"]
     return row

@@ -232,7 +232,8 @@ def _check_head(model, num_heads: int) -> None:
         parts = resolve_head(model.get_output_embeddings())
     except UnsupportedHeadError as err:
         raise unsupported(model, str(err)) from err
-    hidden = parts.weight.shape[1]
+    full = getattr(parts.weight, "ds_shape", None)  # ZeRO-3 (zero.Init at load): the placeholder is empty
+    hidden = int(full[1]) if full is not None and len(full) == 2 else parts.weight.shape[1]
     if hidden % num_heads:
         raise ValueError(
             f"num_heads={num_heads} does not divide the hidden size {hidden} of {type(model).__name__}: "

@@ -192,10 +192,7 @@ def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | N
         raise ValueError(f"--block_size {data_args.block_size}: a block needs at least 2 tokens (an input and its target)")
     if not 0 < data_args.eval_fraction < 1:
         raise ValueError(f"--eval_fraction {data_args.eval_fraction} must be in (0, 1): the share held out for evaluation")
-    for name in ("max_train_blocks", "max_eval_blocks"):  # 0: all (argparse cannot give an int option None)
-        if getattr(data_args, name) is not None and getattr(data_args, name) < 0:
-            raise ValueError(f"--{name} {getattr(data_args, name)} must be at least 0 (0: all blocks)")
-        setattr(data_args, name, getattr(data_args, name) or None)
+    check_block_limits(data_args)
     if loss_args.sample_tokens < 0 or (loss_args.sample_tokens and not loss_args.sample_prompt):
         raise ValueError("--sample_tokens must be >= 0 and --sample_prompt not empty (--sample_tokens 0: no sample)")
     saved, config = checkpoint_facts(model_args.model, model_args.trust_remote_code) if model_args.model else (None, None)
@@ -221,6 +218,14 @@ def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | N
                          f"{resumed['num_heads']}, this run patches --loss {cfg.loss} --num_heads {cfg.num_heads}: "
                          "give the checkpoint's (or --override_saved)")
     return saved, config
+
+
+def check_block_limits(data_args) -> None:
+    """--max_train_blocks / --max_eval_blocks: 0 means all (argparse cannot give an int option None)."""
+    for name in ("max_train_blocks", "max_eval_blocks"):
+        if getattr(data_args, name) is not None and getattr(data_args, name) < 0:
+            raise ValueError(f"--{name} {getattr(data_args, name)} must be at least 0 (0: all blocks)")
+        setattr(data_args, name, getattr(data_args, name) or None)
 
 
 def check_schedule(training_args) -> None:

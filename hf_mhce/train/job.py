@@ -76,6 +76,13 @@ def build_model(model_args, loss_args, tokenizer, saved=None):
 def add_lora(model, lora_args):
     if lora_args.lora_r <= 0:
         return model
+    # patched again as a PeftModel (same config), so that saving the adapter writes hf_mhce.json
+    return patching.apply_patch(lora_model(model, lora_args))
+
+
+def lora_model(model, lora_args):
+    """``model`` with a new LoRA adapter of --lora_r etc. (a PeftModel); --lora_target_modules None: PEFT's
+    default modules for the architecture."""
     from peft import LoraConfig, get_peft_model
 
     given = lora_args.lora_target_modules
@@ -83,11 +90,22 @@ def add_lora(model, lora_args):
     config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
     try:
-        adapted = get_peft_model(model, config)
+        return get_peft_model(model, config)
     except ValueError as err:  # no such module, or none given: PEFT's message does not name the option
         raise ValueError(f"--lora_target_modules {given!r}: {err}") from None
-    # patched again as a PeftModel (same config), so that saving the adapter writes hf_mhce.json
-    return patching.apply_patch(adapted)
+
+
+def count_shifted_targets(model) -> None:
+    """Have the Trainer count a causal LM's targets as its loss does: for a model without a loss_type (GPT-2's,
+    remote code) it counts labels[:, 0], never a target, and divides the summed loss by T of T - 1 per row."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base, "loss_type", None) is None:
+        base.loss_type = "ForCausalLM"
+
+
+def parameter_count(model, trainable: bool = False) -> int:
+    """Parameters of ``model`` (only those with requires_grad if ``trainable``), ZeRO-3's partitioned ones whole."""
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters() if p.requires_grad or not trainable)
 
 
 def build_datasets(data_args):
@@ -161,10 +179,8 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
         eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks),
                                            f"eval set {name!r}") for name, texts in eval_texts.items()}
         model = add_lora(build_model(model_args, loss_args, tokenizer, saved), lora_args)
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if getattr(base, "loss_type", None) is None:  # GPT-2's: the Trainer then counts labels[:, 0] as targets
-            base.loss_type = "ForCausalLM"  # and divides the summed loss by T of T - 1 targets per row
-        n_params = sum(p.numel() for p in model.parameters())
+        count_shifted_targets(model)
+        n_params = parameter_count(model)
         rbe = RBECallback(plot=loss_args.rbe_plots)
         trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                           data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])

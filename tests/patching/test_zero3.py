@@ -30,3 +30,22 @@ def test_zero3_matches_single_process(runs, case):
     assert_step_equal(dist[case], single[case], case)
     if "lora" in case:
         assert any("lm_head.lora_B" in n for n in dist[case]["grads"])
+
+
+def test_a_head_partitioned_as_it_loads_is_patched():
+    """accelerate's deepspeed_zero3.yaml (zero3_init_flag) has from_pretrained partition the weights as it
+    loads: apply_patch then sees lm_head.weight as ZeRO-3's empty placeholder, whose shape gave an IndexError
+    for the hidden size.  It is read from ds_shape, the full shape, as elsewhere."""
+    import torch
+
+    import hf_mhce
+    from sharding_worker import build
+
+    model = build("zero3_mhce")
+    full = model.lm_head.weight.shape
+    placeholder = torch.nn.Parameter(torch.empty(0))
+    placeholder.ds_shape = full  # what deepspeed.zero.Init leaves on a partitioned parameter
+    model.lm_head.weight = placeholder
+    hf_mhce.apply_patch(model, loss="mhce", num_heads=2)
+    with pytest.raises(ValueError, match=f"does not divide the hidden size {full[1]}"):
+        hf_mhce.apply_patch(model, loss="mhce", num_heads=full[1] - 1, override_saved=True)

@@ -7,6 +7,7 @@ import json
 import math
 
 import pytest
+from checkpoints import gpt2_checkpoint
 from test_train_job import REDUCED
 
 import hf_mhce
@@ -30,20 +31,11 @@ def _no_data(monkeypatch):
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     """A small random GPT-2 (no loss_type, no BOS added) with a BPE tokenizer, and a text file."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from hf_mhce.train.corpus import train_tokenizer
-
     root = tmp_path_factory.mktemp("gpt2")
     text = root / "corpus.txt"
     lines = [f"row {i}: a lazy dog sleeps while the quick fox {i % 11} runs" for i in range(300)]
     text.write_text("\n".join(lines))
-    tokenizer = train_tokenizer(lines, 300)
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2, n_positions=64,
-                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-                    ).save_pretrained(root / "ckpt")
-    tokenizer.save_pretrained(root / "ckpt")
-    return str(root / "ckpt"), str(text)
+    return gpt2_checkpoint(root / "ckpt", lines), str(text)
 
 
 def test_gpt2_eval_loss_is_its_cross_entropy_and_lora_finds_its_modules(gpt2, tmp_path):
