@@ -237,7 +237,8 @@ def test_finetune_a_gpt2_checkpoint_then_its_adapter(tmp_path, single_thread):
     """Audit of finetune.py: on GPT-2 (no loss_type) the reported loss was (T - 1) / T of the cross-entropy;
     --lora_r without --lora_target_modules failed on None.split; --max_eval_blocks 0 ("all") found no block;
     --output_dir=PATH was ignored; "ppl" was exp of the smoothed objective; an adapter given as --model was
-    loaded frozen (backward failed) and its saved label smoothing reset to 0."""
+    loaded frozen (backward failed) and its saved label smoothing reset to 0; --resume_from_checkpoint was
+    ignored."""
     import torch
     from checkpoints import gpt2_checkpoint
     from safetensors.torch import load_file
@@ -260,10 +261,18 @@ def test_finetune_a_gpt2_checkpoint_then_its_adapter(tmp_path, single_thread):
     for r in lora["rows"]:
         assert r["ppl"] == pytest.approx(math.exp(r["cross_entropy"]), rel=1e-6)
         assert abs(r["loss"] - r["cross_entropy"]) > 1e-3  # eval_loss: the smoothed objective
-    again = finetune.main([*common, "--model", str(adapter), "--out", str(tmp_path / "again")])
+    again = finetune.main([*common, "--model", str(adapter), "--out", str(tmp_path / "again"),
+                           "--save_strategy", "steps", "--save_steps", "3"])
     assert again["config"]["loss"]["label_smoothing"] == 0.1
     before, after = (load_file(d / "adapter_model.safetensors") for d in (adapter, tmp_path / "again" / "model"))
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+    # --resume_from_checkpoint was ignored: a new adapter on the base trained from step 0; resumed from that
+    # run's step 3, it ends where that run ended
+    finetune.main([*common, "--model", ckpt, "--lora_r", "4", "--label_smoothing", "0.1", "--out",
+                   str(tmp_path / "resumed"), "--resume_from_checkpoint", str(tmp_path / "again" / "model" / "checkpoint-3")])
+    resumed = load_file(tmp_path / "resumed" / "model" / "adapter_model.safetensors")
+    for name, value in after.items():
+        torch.testing.assert_close(resumed[name], value, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_finetune_pretrains_on_the_device_it_finetunes_on(monkeypatch, tmp_path):
