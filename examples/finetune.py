@@ -60,7 +60,8 @@ from transformers import HfArgumentParser
 from reporting import save_figure, write_report
 
 from hf_mhce.train import DataArguments, LoraArguments, ModelArguments, TrainArguments
-from hf_mhce.train.arguments import check_block_limits, checkpoint_facts, fuse_label_smoothing
+from hf_mhce.train.arguments import (adapter_to_train, check_block_limits, checkpoint_facts, fuse_label_smoothing,
+                                     loss_options)
 from hf_mhce.train.job import end_distributed
 
 # Pure-Python standard-library modules for the default fine-tuning data (none of them is in the
@@ -160,7 +161,6 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, Trainer, default_data_collator, set_seed
 
     import hf_mhce
-    from hf_mhce.patching.config import adapter_base
     from hf_mhce.train import corpus
     from hf_mhce.train.job import build_datasets, build_tokenizer, count_shifted_targets, lora_model, parameter_count
 
@@ -191,9 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # the model: load, (LoRA), patch with the fused loss (kept from the checkpoint unless --loss/--num_heads).
     # apply_patch after get_peft_model, so that the PeftModel's save (the adapter) writes the card section too.
-    if adapter_base(model_args.model) is not None:  # an adapter saved earlier: trained on, with its hf_mhce.json
-        if lora_args.lora_r > 0:
-            raise ValueError(f"--model {model_args.model} is a LoRA adapter, trained on as it is: leave out --lora_r")
+    if adapter_to_train(model_args, lora_args):  # an adapter saved earlier: trained on, with its hf_mhce.json
         model = hf_mhce.from_pretrained(model_args.model, is_trainable=True,  # PEFT would load it frozen
                                         trust_remote_code=model_args.trust_remote_code)
     else:
@@ -201,9 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     if lora_args.lora_r > 0:
         model = lora_model(model, lora_args)
     loss = loss_args.loss or ("mhce" if loss_args.num_heads else None)
-    given = {k: getattr(loss_args, k) for k in ("label_smoothing", "z_loss") if getattr(loss_args, k) is not None}
     model = hf_mhce.apply_patch(model, loss=loss, num_heads=loss_args.num_heads if loss != "ce" else None,
-                                override_saved=loss_args.override_saved, **given)  # the others: the checkpoint's
+                                override_saved=loss_args.override_saved, **loss_options(loss_args))
     count_shifted_targets(model)  # GPT-2 has no loss_type: the Trainer would count labels[:, 0] as targets
     loss_config = dict(model.config.hf_mhce)  # what the fine-tuned model will mean (saved with it)
     trainable, total = parameter_count(model, trainable=True), parameter_count(model)

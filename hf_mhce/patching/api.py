@@ -15,6 +15,7 @@ from .head import UnsupportedHeadError, resolve_head
 from .methods import accelerate_autocast, adopt_trl_head, bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
 from .methods import unwrap as _unwrap
 from .probe import foreign_forward, foreign_params, original_forward, verify
+from .sharding import full_shape
 
 def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
                 override_saved: bool = False, **loss_options):
@@ -232,8 +233,7 @@ def _check_head(model, num_heads: int) -> None:
         parts = resolve_head(model.get_output_embeddings())
     except UnsupportedHeadError as err:
         raise unsupported(model, str(err)) from err
-    full = getattr(parts.weight, "ds_shape", None)  # ZeRO-3 (zero.Init at load): the placeholder is empty
-    hidden = int(full[1]) if full is not None and len(full) == 2 else parts.weight.shape[1]
+    hidden = full_shape(parts.weight)[1]  # ZeRO-3 partitioning at load (zero.Init) leaves an empty placeholder
     if hidden % num_heads:
         raise ValueError(
             f"num_heads={num_heads} does not divide the hidden size {hidden} of {type(model).__name__}: "

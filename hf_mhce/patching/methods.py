@@ -14,9 +14,11 @@ and ``copy.deepcopy`` give a model that is patched the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 
+import torch
 from torch import nn
 
 from .card import SECTIONS_ATTR, write_card
@@ -70,10 +72,6 @@ def call_autocast(state, kwargs):
     TRL trainer may change it): a TRL fused-head call's is the one around that trainer's head alone, any
     other call's the forward's.  A fresh context with the same settings: re-entering the instance that
     accelerate's own wrapper may already be inside would corrupt the state torch.autocast saves on it."""
-    import contextlib
-
-    import torch
-
     fused = state.fused_head and (kwargs.get("fused_lm_head") or kwargs.get(FUSED_REROUTE_KWARG))
     autocast = state.fused_autocast if fused else state.autocast
     if autocast is None:
@@ -87,8 +85,6 @@ def accelerate_autocast(forward):
     (``Accelerator.prepare`` with mixed_precision, as a Trainer with bf16=True does at its first
     evaluate or train), or None if ``forward`` is not that wrapper.  The patch goes inside it: replacing
     it would silently drop autocast for the rest of the run."""
-    import torch
-
     fn = getattr(forward, "__func__", None)
     if getattr(fn, "__module__", None) != "accelerate.utils.operations" or getattr(fn, "hf_mhce_patched", False):
         return None

@@ -34,6 +34,13 @@ except ImportError:  # pragma: no cover
     DTensor = ()
 
 
+def full_shape(weight) -> tuple[int, ...]:
+    """The shape of ``weight`` with its data: ZeRO-3's empty placeholder keeps it in ``ds_shape`` (a DTensor
+    shard or a meta tensor keep it in ``shape``)."""
+    full = getattr(weight, "ds_shape", None)
+    return tuple(int(n) for n in full) if full is not None else tuple(weight.shape)
+
+
 class ShardedHeadError(RuntimeError):
     """An LM-head parameter reached the fused loss sharded or empty."""
 

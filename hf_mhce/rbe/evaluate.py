@@ -154,7 +154,7 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     """
     loader = data if isinstance(data, DataLoader) else None
     rows = _checked_rows(data) if loader is None else None  # a bad row is named by its index in data
-    world = _process_group()[0] if all_reduce else 1
+    world = _world_size() if all_reduce else 1
     sampler = getattr(loader, "sampler", None)
     if loader is not None and world > 1 and _pads_last_batch(loader):
         warnings.warn("this accelerate-prepared DataLoader completes its last batch with repeated rows "
@@ -200,12 +200,10 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     return RBEReport(stats.decompose(), stats)
 
 
-def _process_group() -> tuple[int, int]:
+def _world_size() -> int:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _same_everywhere(stats) -> bool:

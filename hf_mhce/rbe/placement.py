@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..patching.sharding import full_shape
+
 # backends that take CPU tensors (a "cpu:gloo,cuda:nccl" pair names the CPU's explicitly)
 _CPU_BACKENDS = ("gloo", "mpi", "ccl", "ucc")
 
@@ -18,11 +20,9 @@ def head_vocab_size(model) -> int:
     """Rows of the output embedding: the vocabulary the ranks of the fused sweep run over."""
     head = model.get_output_embeddings()
     weight = getattr(head, "weight", None) if head is not None else None
-    full = getattr(weight, "ds_shape", None)  # ZeRO-3: the placeholder is empty, ds_shape is not
-    if full is not None and len(full) == 2 and int(full[0]) > 0:
-        return int(full[0])
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.numel() > 0:
-        return int(weight.shape[0])  # meta (offloaded) and DTensor weights keep the full shape
+    full = full_shape(weight) if isinstance(weight, torch.Tensor) else ()  # ZeRO-3's, DTensor's, meta's too
+    if len(full) == 2 and full[0] > 0 and full[1] > 0:
+        return full[0]
     rows = getattr(head, "out_features", None)  # nn.Linear, PEFT's LoRA layers: an empty FSDP1 view
     if isinstance(rows, int) and rows > 0:
         return rows

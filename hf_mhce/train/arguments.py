@@ -118,6 +118,19 @@ def requested_loss(loss_args, saved: dict | None) -> tuple[str | None, int | Non
     return loss, heads
 
 
+def adapter_to_train(model_args, lora_args) -> bool:
+    """Whether --model is a LoRA adapter saved earlier, to be trained on as it is (loaded trainable: PEFT
+    loads it frozen); with --lora_r, a second adapter on top, it is refused."""
+    from ..patching.config import adapter_base
+
+    if not model_args.model or adapter_base(model_args.model) is None:
+        return False
+    if lora_args.lora_r > 0:
+        raise ValueError(f"--model {model_args.model} is a LoRA adapter: leave out --lora_r to train it on, or merge "
+                         "it into its base model first (a second adapter on top is not supported)")
+    return True
+
+
 def loss_options(loss_args) -> dict:
     """The fused loss's options given on the command line; one left out keeps --model's saved value."""
     return {name: getattr(loss_args, name) for name in ("label_smoothing", "z_loss") if getattr(loss_args, name) is not None}
@@ -163,16 +176,14 @@ def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | N
                     ) -> tuple[dict | None, object | None]:
     """Refuse inconsistent options before any data is read or tokenizer trained; returns
     ``checkpoint_facts`` of --model ((None, None) without one).  ``resume``: --resume_from_checkpoint."""
-    from ..patching.config import adapter_base, resolve_config
+    from ..patching.config import resolve_config
 
     if lora_args.lora_r < 0:
         raise ValueError(f"--lora_r {lora_args.lora_r} must be >= 0 (0 trains the full model)")
     if lora_args.lora_r > 0 and not model_args.model:
         raise ValueError("--lora_r adapts a pretrained model: give its checkpoint with --model (without one the base "
                          "is a random Llama that is never saved, so the adapter could not be loaded again)")
-    if lora_args.lora_r > 0 and model_args.model and adapter_base(model_args.model) is not None:
-        raise ValueError(f"--model {model_args.model} is a LoRA adapter: leave out --lora_r to train it on, or merge "
-                         "it into its base model first (a second adapter on top is not supported)")
+    adapter_to_train(model_args, lora_args)
     if loss_args.rbe_plots:
         from ..rbe import plots
 

@@ -18,7 +18,7 @@ import torch
 from .. import patching
 from ..rbe import RBECallback
 from . import corpus
-from .arguments import (TRUST_REMOTE_CODE, DataArguments, check_arguments, check_schedule, explained,
+from .arguments import (TRUST_REMOTE_CODE, DataArguments, adapter_to_train, check_arguments, check_schedule, explained,
                         fuse_label_smoothing, loss_options, requested_loss)
 
 DEFAULT_EVAL_SPLIT = DataArguments.eval_split
@@ -46,18 +46,17 @@ def build_tokenizer(model_args, texts, config=None):
     return tok
 
 
-def build_model(model_args, loss_args, tokenizer, saved=None):
+def build_model(model_args, loss_args, lora_args, tokenizer, saved=None):
     """A pretrained checkpoint or a small random Llama, patched with the requested loss (``saved``: the
     loss config the checkpoint records, see arguments.requested_loss)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..patching.config import adapter_base
     from ..rbe.data import remote_code_option
 
     loss, num_heads = requested_loss(loss_args, saved)
     options = dict(loss=loss, num_heads=num_heads, override_saved=loss_args.override_saved, **loss_options(loss_args))
     if model_args.model:  # patched as it loads: no interim record a requested loss would have to override
-        if adapter_base(model_args.model) is not None:  # an adapter: trained on (PEFT loads it frozen)
+        if adapter_to_train(model_args, lora_args):
             options["is_trainable"] = True
         with remote_code_option(TRUST_REMOTE_CODE):
             return explained(patching.from_pretrained, model_args.model, trust_remote_code=model_args.trust_remote_code,
@@ -178,7 +177,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
                                      "the training set")
         eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks),
                                            f"eval set {name!r}") for name, texts in eval_texts.items()}
-        model = add_lora(build_model(model_args, loss_args, tokenizer, saved), lora_args)
+        model = add_lora(build_model(model_args, loss_args, lora_args, tokenizer, saved), lora_args)
         count_shifted_targets(model)
         n_params = parameter_count(model)
         rbe = RBECallback(plot=loss_args.rbe_plots)
