@@ -161,6 +161,24 @@ def clear_previous_save(directory: str, adapter: bool) -> None:
         os.remove(card)  # PEFT's card of the old adapter (the hf_mhce section is rewritten on save)
 
 
+def final_evaluation(trainer, names: list[str], rbe_history: list[dict]) -> dict:
+    """The evaluation of the trained model: the one this run's schedule ran at the last step when it covered
+    every eval set (the default 600 steps end on an evaluation; running it again would cost a pass and
+    repeat its rows in the RBE history), else a new one (also after resuming a finished run, whose
+    evaluations this process did not see).  Histories are the same on every process, so they all take
+    the same branch of this collective."""
+    state = trainer.state
+    if not trainer.args.load_best_model_at_end:  # else the weights are not those the last evaluation saw
+        found = {}
+        for entry in state.log_history:
+            if entry.get("step") == state.global_step:
+                found.update({k: v for k, v in entry.items() if k.startswith("eval_") or k == "epoch"})
+        seen = {row["prefix"] for row in rbe_history if row["step"] == state.global_step}
+        if all(f"eval_{name}_loss" in found and f"eval_{name}" in seen for name in names):
+            return found
+    return trainer.evaluate()
+
+
 def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     from transformers import Trainer, default_data_collator, set_seed
 
@@ -184,7 +202,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
         trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                           data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    final = trainer.evaluate()
+    final = final_evaluation(trainer, list(eval_ds), rbe.history)
     if trainer.is_world_process_zero():
         clear_previous_save(training_args.output_dir, adapter=hasattr(trainer.model, "peft_config"))
     trainer.save_model(training_args.output_dir)

@@ -63,7 +63,12 @@ def test_embedded_mhce_run_writes_everything(tmp_path, capsys):
     assert "mixture of 4 softmaxes" in card and "hf_mhce.from_pretrained" in card
     assert "### RBE evaluation" in card and "| eval_docs |" in card and "rbe/eval_docs_components.png" in card
     metrics = json.loads((out_dir / "metrics.json").read_text())
-    assert metrics["loss"] == "mhce" and metrics["rbe_history"]
+    assert metrics["loss"] == "mhce"
+    # 6 steps end on an evaluation: the final one is that evaluation, not a second pass with repeated rows
+    rows = [(row["step"], row["prefix"]) for row in metrics["rbe_history"]]
+    assert rows == [(3, "eval_docs"), (3, "eval_code"), (6, "eval_docs"), (6, "eval_code")], rows
+    assert summary["final_eval"]["eval_code_rbe_cross_entropy"] == metrics["rbe_history"][-1]["cross_entropy"]
+    assert summary["final_eval"]["eval_docs_loss"] > 0 and "step" not in summary["final_eval"]
     # the saved model reloads as MHCE and reproduces the logits
     reloaded = hf_mhce.from_pretrained(str(out_dir))
     assert reloaded.config.hf_mhce["loss"] == "mhce" and reloaded.config.hf_mhce["num_heads"] == 4
@@ -129,8 +134,11 @@ def test_a_checkpoint_keeps_its_loss_unless_asked(tmp_path):
                                           "--eval_steps", "2"])
     assert (first["loss"], first["num_heads"]) == ("mhce", 2)
     again = hf_mhce.train.main(REDUCED + ["--model", str(tmp_path / "a"), "--output_dir", str(tmp_path / "b"),
-                                          "--max_steps", "2", "--eval_steps", "2"])
+                                          "--max_steps", "2", "--eval_steps", "3"])
     assert (again["loss"], again["num_heads"]) == ("mhce", 2)
+    # no evaluation at the last step: the final one is a new pass
+    assert [(row["step"], row["prefix"]) for row in again["rbe_history"]] == [(2, "eval_docs"), (2, "eval_code")]
+    assert again["final_eval"]["eval_docs_rbe_cross_entropy"] == again["rbe_history"][0]["cross_entropy"]
     with pytest.raises(ValueError, match="--override_saved, or leave out --loss / --num_heads"):
         hf_mhce.train.main(REDUCED + ["--model", str(tmp_path / "a"), "--output_dir", str(tmp_path / "c"),
                                       "--num_heads", "4"])
