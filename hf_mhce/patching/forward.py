@@ -165,6 +165,10 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     hidden = outputs[0] if isinstance(outputs, tuple) else outputs.last_hidden_state
 
     loss = logits = aux_loss = None
+    rng = None  # training logits beside the loss (asked for, or HF's tuple): replay the head's dropout
+    if (model.training and labels is not None and not fused and (want_logits or (want_logits is None and not return_dict))
+            and not torch.compiler.is_compiling()):
+        rng = _rng_state(hidden)
     if fused:
         check_loss_function(model)
         result = fused_head_output(model, state, hidden, labels, **loss_kwargs)
@@ -185,6 +189,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     if want_logits is None and loss is not None and not model.training:
         want_logits = trainer_needs_predictions()
     if loss is None or want_logits:
+        if rng is not None:  # the head's dropout (LoRA) draws the loss's mask again: one sample, as unpatched
+            _set_rng_state(rng)
         logits = _logits(model, state, slice_logits_to_keep(hidden, logits_to_keep))
     elif not state.checked_compute_loss and not torch.compiler.is_compiling():
         custom_compute_loss_warning(state)
@@ -206,6 +212,19 @@ def _is_default(value, default) -> bool:
         return bool(value == default)
     except Exception:  # noqa: BLE001 - values that cannot be compared are not the default
         return False
+
+
+def _rng_state(hidden):
+    """The generator states before the loss, to replay for the logits: unpatched, one head call gives
+    both, so LoRA dropout on the head draws one mask; here the loss and the logits read the head apart.
+    Every CUDA device's state: the head may sit on another device than the hidden state."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if hidden.device.type == "cuda" else None
+
+
+def _set_rng_state(rng) -> None:
+    torch.set_rng_state(rng[0])
+    if rng[1] is not None:
+        torch.cuda.set_rng_state_all(rng[1])
 
 
 def _warn_tuple_logits(state: PatchState) -> None:

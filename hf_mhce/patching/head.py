@@ -30,6 +30,10 @@ try:  # peft is a dependency, but the head logic must not fail where it is absen
     from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 except ImportError:  # pragma: no cover
     LoraLayer = BaseTunerLayer = AuxiliaryTrainingWrapper = ModulesToSaveWrapper = ()
+try:  # apart: a PEFT without trainable tokens must keep the LoRA support above
+    from peft.utils.other import TrainableTokensWrapper
+except ImportError:  # pragma: no cover
+    TrainableTokensWrapper = ()
 
 
 class UnsupportedHeadError(TypeError):
@@ -40,10 +44,18 @@ class UnsupportedHeadError(TypeError):
 class Adapter:
     """One active LoRA adapter on the head: adds scaling * B(A(dropout(x)))."""
 
-    lora_a: nn.Linear
-    lora_b: nn.Linear
+    lora_a: nn.Linear  # or a Factor (trainable tokens)
+    lora_b: nn.Linear  # or a Factor
     dropout: nn.Module
     scaling: float
+
+
+@dataclass
+class Factor:
+    """A low-rank factor given as a tensor: what ``_lora_terms`` reads of a LoRA ``nn.Linear``."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,6 +98,8 @@ def _resolve(head: nn.Module, adapter: str | None = None) -> HeadParts:
                 "factors are not nn.Linear modules (AdaLoRA and the like); the fused loss folds in plain LoRA only"
             )
         return _resolve_lora(head, adapter)
+    if TrainableTokensWrapper and isinstance(head, TrainableTokensWrapper):
+        return _resolve_tokens(head.token_adapter, adapter)
     if BaseTunerLayer and isinstance(head, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
         raise UnsupportedHeadError(
             f"the LM head is wrapped by {type(head).__module__}.{type(head).__qualname__}; with the fused loss "
@@ -126,6 +140,33 @@ def _resolve_lora(layer, adapter: str | None = None) -> HeadParts:
                 "folds in plain LoRA only. Merge the adapter, or leave lm_head out of target_modules"
             )
         adapters.append(Adapter(layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name], layer.scaling[name]))
+    return HeadParts(parts.weight, parts.bias, adapters)
+
+
+def _resolve_tokens(layer, adapter: str | None = None) -> HeadParts:
+    """PEFT's trainable tokens on a head tied to the embedding (``trainable_token_indices``): the rows
+    T of W are replaced by trained ones d, i.e. W' = W + onehot(T) (d - W[T]), a rank-|T| term beside
+    W (U = (d - W[T]) x, B = onehot(T)), so no [V, D] copy.  Follows PEFT's forward_adapters."""
+    active = layer.active_adapters if adapter is None else [adapter]
+    active = [name for name in active if name in layer.token_indices]  # "__base__" of a mixed batch: none
+    if layer.disable_adapters or not active:
+        if layer.merged:
+            layer.unmerge()
+        return _resolve(layer.base_layer)
+    parts = _resolve(layer.base_layer)
+    if layer.merged:
+        return parts
+    if parts.float32:
+        raise UnsupportedHeadError("TRL's cast_lm_head_to_fp32 with trainable tokens on the LM head is not supported")
+    getattr(layer, "_check_overlapping_tokens", lambda _: None)(active)  # PEFT's error for adapters sharing a token
+    adapters = list(parts.adapters)
+    w = parts.weight
+    for name in active:
+        index = torch.tensor(layer.token_indices[name], device=w.device)
+        rows = layer.trainable_tokens_delta[name].to(w) - w[index]  # [k, D]
+        onehot = torch.zeros(w.shape[0], index.numel(), dtype=w.dtype, device=w.device)
+        onehot[index, torch.arange(index.numel(), device=w.device)] = 1
+        adapters.append(Adapter(Factor(rows), Factor(onehot), nn.Identity(), 1.0))
     return HeadParts(parts.weight, parts.bias, adapters)
 
 

@@ -142,6 +142,37 @@ def test_lm_head_in_modules_to_save(tied):
     assert_grads_close(ref_grads, got)
 
 
+@pytest.mark.parametrize("order", ["patch-then-peft", "peft-then-patch"])
+def test_trainable_tokens_on_a_tied_head(order):
+    """trainable_token_indices on a tied embedding wraps the head too (PEFT replaces those rows of the
+    tied weight): they enter the fused loss as a low-rank term, with PEFT's loss, gradients and logits."""
+    def build(patch, loss="ce", heads=1):
+        m = make_model("llama", tied=True)
+        m = apply_patch(m, loss=loss, num_heads=heads) if patch and order == "patch-then-peft" else m
+        torch.manual_seed(1)
+        m = get_peft_model(m, LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5, 7]))
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "trainable_tokens_delta" in n:
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+        return apply_patch(m, loss=loss, num_heads=heads) if patch and order == "peft-then-patch" else m
+
+    ref, model = build(False), build(True)
+    ids, labels = batch()
+    ref_loss, ref_grads = _step(ref, ids, labels)
+    loss, got = _step(model, ids, labels)
+    assert any("trainable_tokens_delta" in n for n in got)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert_grads_close(ref_grads, got)
+    with torch.no_grad(), model.disable_adapter(), ref.disable_adapter():
+        torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss)
+    mhce = build(True, "mhce", 4).eval()
+    head = mhce.get_base_model().lm_head.token_adapter
+    hidden = mhce.get_base_model().get_decoder()(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(mhce(input_ids=ids).logits.double(), mixture_logprobs_reference(
+        hidden, head.get_merged_weights(["default"]), 4), rtol=1e-5, atol=1e-5)
+
+
 def test_peft_generate_and_unsupported_head_variant():
     ref = _lora(make_model("llama"), ["q_proj", "lm_head"]).eval()
     model = apply_patch(_lora(make_model("llama"), ["q_proj", "lm_head"])).eval()
@@ -334,3 +365,19 @@ def test_transformers_integrated_adapter_saved_alone_keeps_its_loss(tmp_path, ta
         torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(loaded(input_ids=ids, labels=labels).loss, want_loss)
     torch.testing.assert_close(want.exp().sum(-1), torch.ones(want.shape[:-1]))  # a mixture, not softmax(W x)
+
+
+def test_lora_dropout_on_the_head_draws_one_mask_for_loss_and_logits():
+    """With return_logits in training the loss and the logits read the head apart: both must use the
+    one dropout mask the unpatched head call draws (and leave the generator where it leaves it)."""
+    ref = _lora(make_model("llama"), ["q_proj", "lm_head"], lora_dropout=0.5).train()
+    model = apply_patch(_lora(make_model("llama"), ["q_proj", "lm_head"], lora_dropout=0.5), return_logits=True).train()
+    ids, labels = batch()
+    outs = []
+    for m in (ref, model):
+        torch.manual_seed(0)
+        outs.append((m(input_ids=ids, labels=labels), torch.rand(1)))
+    (want, want_next), (got, got_next) = outs
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(got.logits, want.logits)
+    assert torch.equal(got_next, want_next)
