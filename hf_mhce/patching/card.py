@@ -27,7 +27,7 @@ loads the weights but computes a different distribution; to reproduce the traine
 
 ```python
 import hf_mhce
-${remote_comment}model = hf_mhce.from_pretrained("$name_or_path"$remote_kwarg)  # or the Hub id this folder is pushed to
+${remote_comment}model = hf_mhce.from_pretrained("$name_or_path"$remote_kwarg)$where
 ```
 """
 # Without it transformers refuses a folder whose model class is custom code ("contains custom code").
@@ -51,8 +51,9 @@ def needs_remote_code(model) -> bool:
     return bool(getattr(model.config, "auto_map", None)) and not type(model).__module__.startswith("transformers.")
 
 
-def render_section(model, config, save_directory: str, adapter: bool = False) -> str:
-    """``adapter``: a PEFT adapter saved alone, whose loss config is in hf_mhce.json (no config.json)."""
+def render_section(model, config, save_directory: str, adapter: bool = False, name: str | None = None) -> str:
+    """``adapter``: a PEFT adapter saved alone, whose loss config is in hf_mhce.json (no config.json).
+    ``name``: what the loading line loads (the Hub repo id of a push), else the save directory."""
     template = Template(resources.files(__package__).joinpath("templates/model_card_section.md").read_text())
     saved = config.to_saved()
     rows = "\n".join(f"| {k} | `{v}` |" for k, v in saved.items() if k != "format")
@@ -60,9 +61,10 @@ def render_section(model, config, save_directory: str, adapter: bool = False) ->
     if config.loss == "mhce":  # load what was saved here (the model's _name_or_path is where it came from),
         # by an absolute path: a relative one read from another directory is taken for a Hub id
         remote = needs_remote_code(model)
-        note = Template(_MHCE_NOTE).substitute(num_heads=config.num_heads, name_or_path=os.path.abspath(save_directory),
+        note = Template(_MHCE_NOTE).substitute(num_heads=config.num_heads, name_or_path=name or os.path.abspath(save_directory),
                                                remote_comment=_REMOTE_COMMENT if remote else "",
-                                               remote_kwarg=", trust_remote_code=True" if remote else "")
+                                               remote_kwarg=", trust_remote_code=True" if remote else "",
+                                               where="" if name else "  # or the Hub id this folder is pushed to")
     extra = ""
     for title, render in model.__dict__.get(SECTIONS_ATTR, {}).items():
         body = render(save_directory)
@@ -74,10 +76,10 @@ def render_section(model, config, save_directory: str, adapter: bool = False) ->
     return template.substitute(loss_title=title, config_rows=rows, mhce_note=note, sections=extra, stored_in=stored_in)
 
 
-def write_card(model, config, save_directory: str, adapter: bool = False) -> str:
+def write_card(model, config, save_directory: str, adapter: bool = False, name: str | None = None) -> str:
     """Insert or refresh the hf_mhce section of ``<save_directory>/README.md``; returns its path."""
     path = os.path.join(save_directory, "README.md")
-    section = render_section(model, config, save_directory, adapter)
+    section = render_section(model, config, save_directory, adapter, name)
     existing = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
     if _BLOCK.search(existing):
         text = _BLOCK.sub(lambda _: section, existing, count=1)

@@ -1,7 +1,8 @@
 """The bound methods a patch puts in an instance's ``__dict__``, and how they survive pickling.
 
 A patched transformers model carries ``forward`` (or accelerate's ``_old_forward``) and
-``save_pretrained``; a PeftModel around it carries ``save_pretrained``.  They stay real bound
+``save_pretrained`` / ``_upload_modified_files`` (the model card); a PeftModel around it carries the
+latter two.  They stay real bound
 methods of plain functions, because accelerate rewraps ``model.forward.__func__`` for autocast
 and rebinds it with ``MethodType`` when unwrapping.
 
@@ -27,6 +28,7 @@ from .forward import FUSED_REROUTE_KWARG, STATE_ATTR, has_integrated_adapters, m
 from .fused_head import DEFAULT_OPTIONS
 
 _REDUCE = "__reduce_ex__"
+_UPLOAD = "_upload_modified_files"  # transformers' PushToHubMixin: the last step of every push
 _SETSTATE = "__setstate__"
 
 
@@ -225,8 +227,8 @@ def _culprit(forward) -> tuple[str, str]:
 
 def install(holder: nn.Module) -> None:
     """Give ``holder`` the saving and pickling methods and the guard (those already there are kept)."""
-    for name, function in (("save_pretrained", _save_with_card), (_REDUCE, _reduce_ex)):
-        if name not in holder.__dict__:
+    for name, function in (("save_pretrained", _save_with_card), (_REDUCE, _reduce_ex), (_UPLOAD, _upload_with_card)):
+        if name not in holder.__dict__ and (name != _UPLOAD or hasattr(type(holder), _UPLOAD)):
             holder.__dict__[name] = types.MethodType(function, holder)
     if _guard not in holder._forward_pre_hooks.values():
         holder.register_forward_pre_hook(_guard, with_kwargs=True)
@@ -234,7 +236,7 @@ def install(holder: nn.Module) -> None:
 
 def remove(holder: nn.Module) -> None:
     """Drop the saving and pickling methods and the guard ``install`` added (unpatch restores the forward)."""
-    for name in ("save_pretrained", _REDUCE):
+    for name in ("save_pretrained", _REDUCE, _UPLOAD):
         if _is_ours(holder.__dict__.get(name)):
             del holder.__dict__[name]
     for key in [k for k, hook in holder._forward_pre_hooks.items() if hook is _guard]:
@@ -244,7 +246,7 @@ def remove(holder: nn.Module) -> None:
 
 def _is_ours(value) -> bool:
     func = getattr(value, "__func__", None)
-    return func in (_save_with_card, _reduce_ex) or getattr(func, "hf_mhce_patched", False)
+    return func in (_save_with_card, _reduce_ex, _upload_with_card) or getattr(func, "hf_mhce_patched", False)
 
 
 def _save_with_card(self, save_directory, *args, **kwargs):
@@ -257,18 +259,30 @@ def _save_with_card(self, save_directory, *args, **kwargs):
     active adapter alone, also without config.json: ``hf_mhce.json`` goes beside it too.
     """
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    _write_hf_mhce_files(self, save_directory, kwargs.get("is_main_process", True))
+    return result
+
+
+def _upload_with_card(self, working_dir, repo_id, *args, **kwargs):
+    """transformers' ``push_to_hub`` (and ``save_pretrained(push_to_hub=True)``) saves, then replaces README.md
+    with the Hub's card and uploads the folder through this method: the hf_mhce section (for MHCE, the notice
+    that transformers alone computes another distribution) is put back first, loading by the repo id."""
+    _write_hf_mhce_files(self, working_dir, True, name=repo_id)
+    return type(self)._upload_modified_files(self, working_dir, repo_id, *args, **kwargs)
+
+
+def _write_hf_mhce_files(self, save_directory, main_process: bool, name: str | None = None) -> None:
     target = unwrap(self)
     state = target.__dict__.get(STATE_ATTR)
-    if state is not None and kwargs.get("is_main_process", True):
+    if state is not None and main_process:
         directory = os.fspath(save_directory)
         adapters_only = self is not target or has_integrated_adapters(target)
         adapter = adapters_only and os.path.isfile(os.path.join(directory, "adapter_config.json"))
-        write_card(target, state.config, directory, adapter)
+        write_card(target, state.config, directory, adapter, name)
         names = getattr(self, "peft_config", {}) if self is not target else {}  # integrated: the active one only
         for adapter_dir in {directory, *(os.path.join(directory, n) for n in names if n != "default")}:
             if adapters_only and os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
                 write_adapter_config(adapter_dir, state.config)
-    return result
 
 
 def _reduce_ex(self, protocol):

@@ -1,5 +1,7 @@
 """loss="mhce": loss, logits (mixture log-probs), generation, and the saved config round trip."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from patching_models import FAMILIES, batch, make_model, mixture_logprobs_reference, twin
@@ -153,3 +155,35 @@ def test_card_loads_by_an_absolute_path(tmp_path, monkeypatch):
     assert path == str(tmp_path / "out")
     monkeypatch.chdir("/")
     assert hf_mhce.from_pretrained(path).config.hf_mhce["loss"] == "mhce"
+
+
+def test_card_reaches_the_hub_on_push(tmp_path, monkeypatch):
+    """transformers' pushes replace README.md with the Hub's card after save_pretrained wrote ours: the MHCE
+    notice must still be in what is uploaded, loading by the repo id (the Hub calls are stubbed)."""
+    from unittest import mock
+
+    from huggingface_hub import ModelCard
+    from transformers import modeling_utils
+    from transformers.utils import hub
+
+    uploaded = []
+
+    def upload(self, folder, *args, **kwargs):  # the last step of a push: what README.md says then
+        uploaded.append(Path(folder, "README.md").read_text())
+
+    api = mock.Mock()
+    api.create_repo.return_value.repo_id = "user/tiny"
+    monkeypatch.setattr(hub.PushToHubMixin, "_upload_modified_files", upload)
+    for module in (hub, modeling_utils):
+        monkeypatch.setattr(module, "hf_api", lambda: api)
+        monkeypatch.setattr(module, "create_and_tag_model_card",
+                            lambda *a, **k: ModelCard("---\nlibrary_name: transformers\n---\n# Model\n"))
+    model = apply_patch(make_model("llama"), loss="mhce", num_heads=H)
+    model.push_to_hub("user/tiny")
+    model.save_pretrained(tmp_path, push_to_hub=True, repo_id="user/tiny")
+    assert len(uploaded) == 2
+    for readme in uploaded:
+        assert "# Model" in readme and "predicts with a mixture of 4 softmaxes" in readme
+        assert 'hf_mhce.from_pretrained("user/tiny")' in readme
+    unpatch(model)  # the upload method goes with the patch
+    assert "_upload_modified_files" not in model.__dict__
