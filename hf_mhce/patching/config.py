@@ -90,6 +90,11 @@ class LossConfig:
     def from_saved(cls, saved) -> LossConfig:
         if not isinstance(saved, dict) or saved.get("loss") is None:
             raise ValueError(f"model.config.{CONFIG_KEY} is not an hf_mhce loss config: {saved!r}")
+        fmt = saved.get("format", CONFIG_FORMAT)
+        if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt > CONFIG_FORMAT:
+            # a later format may mean more than the fields read below: never drop it silently
+            raise ValueError(f"model.config.{CONFIG_KEY} has format {fmt!r}, which this hf_mhce does not read (it "
+                             f"reads format <= {CONFIG_FORMAT}): the model was saved by a newer hf_mhce; upgrade it")
         known = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS)
         return cls(**{k: v for k, v in saved.items() if k in known})
 

@@ -86,6 +86,11 @@ def test_config_dataclass_round_trip():
     assert type(heads.num_heads) is int and heads.to_saved()["num_heads"] == 4
     # configs saved before return_logits became a runtime field still load (the key is ignored)
     assert LossConfig.from_saved({**saved, "return_logits": False}).return_logits is None
+    # a record of a later format is refused, not read as this one (a config without one is format 1)
+    for fmt in (2, "1", None):
+        with pytest.raises(ValueError, match=f"has format {fmt!r}, which this hf_mhce does not read"):
+            LossConfig.from_saved({**saved, "format": fmt})
+    assert LossConfig.from_saved({k: v for k, v in saved.items() if k != "format"}) == LossConfig.from_saved(saved)
 
 
 class _LargestOutput(TorchDispatchMode):
