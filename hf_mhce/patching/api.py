@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import types
 import warnings
@@ -57,6 +58,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             attr=attr, original=target.__dict__.get(attr, ABSENT),
             original_config=saved if saved is not None else ABSENT,
             original_accepts=target.__dict__.get(_ACCEPTS, ABSENT), router=router, foreign=foreign,
+            per_batch_loss=_trainer_passes_no_count(target),
             autocast=accelerate_autocast(target.__dict__.get(attr)) if attr == "forward" else None,
         )
         target.__dict__[STATE_ATTR] = state
@@ -69,7 +71,8 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
             adopt_trl_head(state, target.__dict__.get("forward"))
             bind_forward(target)
     setattr(target.config, CONFIG_KEY, cfg.to_saved())
-    restore_attr(target, _ACCEPTS, False if cfg.ignore_index != TRAINER_IGNORE_INDEX else state.original_accepts)
+    no_count = cfg.ignore_index != TRAINER_IGNORE_INDEX or state.per_batch_loss
+    restore_attr(target, _ACCEPTS, False if no_count else state.original_accepts)
     state.saves_adapters = state.saves_adapters or model is not target
     install(target)
     if model is not target:  # a PeftModel saves its adapters itself
@@ -95,6 +98,17 @@ def _own_config(model) -> None:
 # include the ignored tokens, so the patched model says no: each micro-batch then averages its own
 # tokens, as for any model without loss kwargs (the forward refuses a count it cannot trust).
 _ACCEPTS = "accepts_loss_kwargs"
+
+
+def _trainer_passes_no_count(model) -> bool:
+    """Whether a Trainer passes the unpatched model no num_items_in_batch: without ``accepts_loss_kwargs``
+    it looks for a ``**kwargs`` in the forward's signature, which the mirrored one always has (a subclass's
+    override or remote code may have none).  The patched model then says no, so that the Trainer averages
+    each micro-batch as for the unpatched model rather than train on token-weighted steps."""
+    if hasattr(model, _ACCEPTS):
+        return False  # the Trainer reads that, which the patch keeps
+    params = inspect.signature(original_forward(model)).parameters.values()
+    return not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def add_card_section(model, title: str, render) -> None:

@@ -75,6 +75,39 @@ def custom_compute_loss_warning(state) -> None:
             registry=custom.f_globals.setdefault("__warningregistry__", {}))
 
 
+@torch.compiler.disable  # reads the caller's frames: must run as Python, not be traced
+def check_trainer_loss(config) -> None:
+    """Refuse a call without labels from transformers' own ``Trainer.compute_loss`` that took them out of the
+    inputs to compute the loss itself (``label_smoothing_factor``, ``compute_loss_func``), where the fused
+    loss's options would be dropped silently: its ``z_loss``, a ``label_smoothing`` other than the Trainer's
+    own (for MHCE any: the Trainer smooths the mixture's log-probs), an ``ignore_index`` that the Trainer's
+    smoothing does not know (it ignores -100 alone).  Only a model with such options looks."""
+    for frame, trainer in trainer_frames(sys._getframe(1), "compute_loss"):
+        if frame.f_globals.get("__name__") != "transformers.trainer" or frame.f_locals.get("labels") is None:
+            return  # a subclass's own compute_loss, or the model got the labels
+        smoother = trainer.label_smoother if trainer.compute_loss_func is None else None
+        lost = {"z_loss": config.z_loss} if config.z_loss else {}
+        if config.label_smoothing and not (smoother is not None and config.loss == "ce"
+                                           and smoother.epsilon == config.label_smoothing):
+            lost["label_smoothing"] = config.label_smoothing
+        if smoother is not None and config.ignore_index != -100:
+            lost["ignore_index"] = config.ignore_index
+        if lost:
+            if smoother is None:
+                how, instead = "compute_loss_func", "leave the loss to the model (no compute_loss_func)"
+            else:
+                how = f"label_smoothing_factor={smoother.epsilon}"
+                instead = "smooth in the fused loss (apply_patch(model, label_smoothing=...), label_smoothing_factor=0)"
+            raise ValueError(
+                f"hf_mhce: the Trainer computes the loss itself ({how}): it takes the labels out of the inputs and "
+                f"builds the loss from the logits, which would drop this model's {lost} silently. Either {instead}, "
+                f"or patch for the Trainer's loss ({', '.join(f'{k}={LOSS_DEFAULTS[k]!r}' for k in lost)}).")
+        return
+
+
+LOSS_DEFAULTS = {"z_loss": 0.0, "label_smoothing": 0.0, "ignore_index": -100}  # -100: what the Trainer ignores
+
+
 def calling_trainer(max_depth: int):
     """The innermost transformers Trainer with a method on the call stack (within ``max_depth`` frames), or None."""
     return next((trainer for _, trainer in trainer_frames(sys._getframe(1), max_depth=max_depth)), None)

@@ -26,7 +26,7 @@ from torch import nn
 from transformers.modeling_utils import slice_logits_to_keep
 
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
-from .callers import custom_compute_loss_warning, trainer_needs_predictions
+from .callers import check_trainer_loss, custom_compute_loss_warning, trainer_needs_predictions
 from .config import LossConfig
 from .families import LOSS_KWARGS, LogitFacts, check_loss_function, decoder_of, logit_transform, named_inputs, stock_forward
 from .fused_head import FusedLMHeadOutput, fused_head_output
@@ -53,6 +53,7 @@ class PatchState:
     original_config: object  # model.config.hf_mhce before the first patch, or _ABSENT
     saves_adapters: bool = False  # a PeftModel around the model was patched too (writes hf_mhce.json)
     original_accepts: object = field(default_factory=lambda: ABSENT)  # instance's accepts_loss_kwargs before
+    per_batch_loss: bool = False  # a Trainer passed the unpatched model no num_items_in_batch (api._trainer_passes_no_count)
     warned_adapter_save: bool = False
     warned_tuple_logits: bool = False
     checked_compute_loss: bool = False  # a Trainer's compute_loss was seen calling (custom_compute_loss_warning)
@@ -176,6 +177,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     elif labels is not None:  # as in transformers, shift_labels without labels asks for no loss
         check_loss_function(model)
         loss = _loss(model, state, _loss_positions(hidden, labels, logits_to_keep, loss_kwargs), labels, **loss_kwargs)
+    elif cfg.z_loss or cfg.label_smoothing or cfg.ignore_index != TRAINER_IGNORE_INDEX:
+        check_trainer_loss(cfg)  # a Trainer that took the labels would drop them
     if state.router is not None and state.router.adds_loss and kwargs["output_router_logits"]:
         aux_loss, weight = router_loss(model, state.router, getattr(outputs, "router_logits", None),
                                        kwargs.get("attention_mask"))

@@ -256,3 +256,67 @@ def test_custom_compute_loss_is_told_that_logits_are_none(tmp_path):
     want = run(LogitRegularised, twin(ref), tmp_path / "hf")
     got = run(LogitRegularised, apply_patch(twin(ref), return_logits=True), tmp_path / "logits")
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)
+
+
+def test_forward_without_kwargs_keeps_the_trainers_per_batch_loss(tmp_path):
+    """A forward without **kwargs (a subclass's override; remote code written for older transformers) gets
+    no num_items_in_batch from the Trainer, which averages each micro-batch.  The patched forward's mirrored
+    signature has a **kwargs, so the Trainer passed the count and trained on token-weighted steps: another
+    loss (0.25 off, 5 %, at step 1 here) and other weights than the unpatched model's, silently."""
+    import warnings
+
+    from transformers import LlamaForCausalLM
+
+    class NoKwargs(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, labels=None):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+    base = make_model("llama")
+    ref = NoKwargs(base.config)
+    ref.load_state_dict(base.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "a forward that is not transformers' own"
+        model = apply_patch(twin(ref))
+    data = token_dataset(8)
+    for i, row in enumerate(data):  # micro-batches of 15, 1, 13 and 2 targets
+        row["labels"][: [0, 14, 2, 13][i % 4]] = -100
+    ref_trainer, ref_losses = _train(ref, tmp_path / "ref", data, steps=2, batch_size=1, accumulation=4)
+    trainer, losses = _train(model, tmp_path / "patched", data, steps=2, batch_size=1, accumulation=4)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert not ref_trainer.model_accepts_loss_kwargs and not trainer.model_accepts_loss_kwargs
+    for (n, p), (_, q) in zip(ref.named_parameters(), model.named_parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("trainer_loss", ["label_smoothing_factor", "compute_loss_func"])
+def test_trainer_computing_the_loss_refuses_fused_options_it_would_drop(trainer_loss, tmp_path):
+    """label_smoothing_factor or compute_loss_func make the Trainer take the labels out of the inputs and
+    build the loss from the logits: a patched model's z_loss was dropped silently (the loss of a z_loss=0.05
+    model was the unpatched one's to the last digit).  Such a call is refused now; what the Trainer's loss
+    reproduces (label_smoothing equal to label_smoothing_factor, for CE) still runs."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    def run(model, smoothing=0.1):
+        options = {"label_smoothing_factor": smoothing} if trainer_loss == "label_smoothing_factor" else {}
+        func = (lambda out, labels, num_items_in_batch=None: ForCausalLMLoss(
+            out.logits, labels, model.config.vocab_size, num_items_in_batch=num_items_in_batch)) if not options else None
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to="none",
+                                 use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=1, **options)
+        trainer = Trainer(model=model, args=args, train_dataset=token_dataset(4), compute_loss_func=func)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    ref = make_model("llama")
+    with pytest.raises(ValueError, match=r"drop this model's \{'z_loss': 0.05\} silently"):
+        run(apply_patch(twin(ref), z_loss=0.05))
+    if trainer_loss == "label_smoothing_factor":
+        with pytest.raises(ValueError, match="'ignore_index': -1"):  # the Trainer's smoothing ignores -100 alone
+            run(apply_patch(twin(ref), ignore_index=-1))
+        with pytest.raises(ValueError, match="'label_smoothing': 0.2"):
+            run(apply_patch(twin(ref), label_smoothing=0.2))
+        kept = {"label_smoothing": 0.1}
+    else:
+        with pytest.raises(ValueError, match="'label_smoothing': 0.1"):
+            run(apply_patch(twin(ref), label_smoothing=0.1))
+        kept = {}
+    torch.testing.assert_close(torch.tensor(run(apply_patch(twin(ref), **kept))), torch.tensor(run(twin(ref))))
