@@ -192,6 +192,9 @@ def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int 
 
 def _id_rows(dataset) -> list[dict]:
     columns = dataset.column_names
+    if "position_ids" in columns:  # rows padded per batch cannot keep them: packed sequences would read as one
+        raise DataError("the dataset has a position_ids column (sequences packed in a row?), which hf-mhce rbe cannot "
+                        "keep: save the sequences as separate rows of input_ids")
     masks = dataset["attention_mask"] if "attention_mask" in columns else None
     labels = dataset["labels"] if "labels" in columns else None
     rows = []

@@ -64,6 +64,10 @@ def _as_row(row, index: int | str = 0) -> Mapping:
         return {"input_ids": _token_ids(row, f"row {index} (a dict with 'input_ids', or its token ids)")}
     if "input_ids" not in row:
         raise ValueError(f"each row needs an 'input_ids' entry (token ids), got keys {sorted(row)} in row {index}")
+    if row.get("position_ids") is not None:  # padding would drop them: packed sequences then read as one
+        raise ValueError(f"row {index} has position_ids (sequences packed in a row?), which rows padded per batch "
+                         "cannot keep: pass the sequences as separate rows, or a DataLoader of packed batches "
+                         "(e.g. collate_fn=DataCollatorWithFlattening())")
     out = {**row, "input_ids": _token_ids(row["input_ids"], f"row {index}'s input_ids")}
     for name in ("labels", "attention_mask"):
         if row.get(name) is not None:
@@ -112,8 +116,21 @@ def pad_collate(rows: list, pad_id: int = 0, ignore_index: int = -100) -> dict:
         # a row's own mask (e.g. tokenizer(..., padding="max_length")) keeps its padding out of the targets
         mask[i, :n] = torch.as_tensor(r["attention_mask"]) if r.get("attention_mask") is not None else 1
         own = r.get("labels")
-        labels[i, :n] = torch.as_tensor(own) if own is not None else ids[i, :n].masked_fill(mask[i, :n] == 0, ignore_index)
+        labels[i, :n] = torch.as_tensor(own) if own is not None else _targets(ids[i, :n], mask[i, :n], ignore_index)
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _targets(ids: torch.Tensor, mask: torch.Tensor | None, ignore_index: int,
+             position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``ids`` as labels, ``ignore_index`` where ``mask`` is 0, where the position before is 0 and, in
+    packed rows, where a sequence starts (``position_ids`` 0): after left padding the first real token
+    would be predicted from a padding position, a packed sequence's first token from the sequence
+    before; targets the rows evaluated alone do not have."""
+    off = mask == 0 if mask is not None else torch.zeros_like(ids, dtype=torch.bool)
+    off = off | torch.cat([torch.zeros_like(off[..., :1]), off[..., :-1]], -1)
+    if position_ids is not None and position_ids.shape == ids.shape:
+        off = off | (position_ids == 0)
+    return ids.masked_fill(off, ignore_index)
 
 
 @contextlib.contextmanager
@@ -150,7 +167,9 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     given to every process are counted once per process), or pass ``all_reduce=False`` (e.g. from
     process 0 only) for the statistics of this process's rows alone.
     device: where the batches go; default: where the model's input embedding runs.  Padding and
-    attention-masked positions get the label the model is patched to ignore (``ignore_index``).
+    attention-masked positions get the label the model is patched to ignore (``ignore_index``), as
+    do the first real token after left padding and, in a batch without labels, the first token of
+    each sequence packed in a row (``position_ids`` 0): padding or another sequence would predict it.
     """
     loader = data if isinstance(data, DataLoader) else None
     rows = _checked_rows(data) if loader is None else None  # a bad row is named by its index in data
@@ -173,6 +192,9 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     try:
         with _patched_for_eval(model), torch.no_grad(), collect_ranks(lambda r, l: stats.add(r, l)):
             ignore_index = getattr(unwrap(model).config, CONFIG_KEY).get("ignore_index", -100)  # as patched now
+            # No cache: none is needed, and with one transformers attends across the sequences packed in a row
+            # (position_ids), which it keeps apart only without a cache (as Trainer runs, use_cache=False).
+            no_cache = {"use_cache": False} if getattr(unwrap(model).config, "use_cache", None) is not None else {}
             if loader is None:
                 loader = DataLoader(rows, batch_size=batch_size,
                                     collate_fn=functools.partial(pad_collate, ignore_index=ignore_index))
@@ -186,10 +208,9 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
                     break
                 batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
                 if "labels" not in batch:  # every real token is a target; padding (attention_mask 0) is not
-                    mask = batch.get("attention_mask")
-                    ids = batch["input_ids"]
-                    batch["labels"] = ids if mask is None else ids.masked_fill(mask == 0, ignore_index)
-                model(**batch)
+                    batch["labels"] = _targets(batch["input_ids"], batch.get("attention_mask"), ignore_index,
+                                               batch.get("position_ids"))
+                model(**batch, **no_cache)
     finally:
         model.train(was_training)
     if all_reduce:

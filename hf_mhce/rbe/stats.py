@@ -123,7 +123,7 @@ def decompose(counts: torch.Tensor, nll_sums: torch.Tensor) -> RBEDecomposition:
     log_q_unnorm = -s / n  # log Q_e
     log_c = torch.logsumexp(log_q_unnorm, 0)  # log-space: Q_e underflows for NLL > ~745
     log_p = torch.log(p)
-    ee = -(p * log_p).sum()
+    ee = -(p * log_p).sum() + 0.0  # + 0.0: one observed rank gives -0.0, printed "-0.000000"
     sa = (p * (log_p - (log_q_unnorm - log_c))).sum()
     return RBEDecomposition(
         error_entropy=float(ee),

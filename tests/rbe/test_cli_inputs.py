@@ -418,3 +418,11 @@ def test_plot_without_matplotlib_is_refused_before_loading(ckpt, tmp_path, capsy
     monkeypatch.setattr("hf_mhce.rbe.plots.available", lambda: False)  # was an ImportError after the evaluation
     msg = _refused(ckpt[0] / "gpt2", "--dataset", tmp_path / "not-read.txt", "--plot", tmp_path / "p.png", capsys=capsys)
     assert "--plot: RBE plots need matplotlib" in msg
+
+
+def test_token_id_rows_with_position_ids_are_refused():
+    """A packed token-id dataset (a position_ids column): the column was dropped, so each row's sequences
+    were evaluated as one, the first token of each a target of the sequence before."""
+    ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8, 9]], "position_ids": [[0, 1, 0, 1, 2]]})
+    with pytest.raises(DataError, match="position_ids column"):
+        token_blocks(ds, None)

@@ -309,3 +309,51 @@ def test_rows_with_their_own_attention_mask():
     assert torch.equal(report.stats.counts, rank_histogram(ranks, report.stats.vocab_size).to(report.stats.counts.dtype))
     batch = pad_collate(rows)
     assert (batch["labels"] == -100).sum() == 3 * 12 - 17 and torch.equal(batch["attention_mask"].sum(1), torch.tensor([5, 9, 3]))
+
+
+def test_left_padded_rows_count_what_the_unpadded_rows_count():
+    """Left padding (a tokenizer's padding_side="left"): the first real token follows a padding position,
+    which predicts nothing; it used to be a target (14 tokens for 13, and a different decomposition)."""
+    from rbe_helpers import make_model
+
+    model = make_model("llama").eval()  # rotary positions: a left-padded row computes what the unpadded one does
+    g = torch.Generator().manual_seed(4)
+    real = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (6, 9)]
+    padded = [{"input_ids": [0] * 3 + real[0], "attention_mask": [0] * 3 + [1] * 6}, real[1]]
+    want = evaluate(model, real).decomposition
+    assert want.num_tokens == 5 + 8
+    loader = DataLoader(padded, batch_size=2, collate_fn=lambda rows: {
+        k: v for k, v in pad_collate(rows).items() if k != "labels"})  # labels made by evaluate from the mask
+    for got in (evaluate(model, padded).decomposition, evaluate(model, loader).decomposition):
+        assert got.num_tokens == want.num_tokens
+        for k in METRICS:
+            assert getattr(got, k) == pytest.approx(getattr(want, k), rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.parametrize("labels", [True, False])
+def test_packed_rows_count_what_the_rows_alone_count(labels):
+    """Sequences packed in a row (DataCollatorWithFlattening: position_ids restart at 0), as separate rows:
+    evaluated with a cache, transformers let them attend to one another (CE 5.041 for 5.029), and without
+    labels the first token of each sequence was a target of the sequence before (15 tokens for 13)."""
+    from rbe_helpers import make_model
+    from transformers import DataCollatorWithFlattening
+
+    model = make_model("llama").eval()
+    assert model.config.use_cache
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(1, 97, (n,), generator=g).tolist() for n in (5, 4, 7)]
+    flatten = DataCollatorWithFlattening()
+    loader = DataLoader([{"input_ids": s} for s in seqs], batch_size=3, collate_fn=lambda rows: {
+        k: v for k, v in flatten(rows).items() if labels or k != "labels"})
+    want, got = evaluate(model, seqs).decomposition, evaluate(model, loader).decomposition
+    assert got.num_tokens == want.num_tokens == 4 + 3 + 6
+    for k in METRICS:
+        assert getattr(got, k) == pytest.approx(getattr(want, k), rel=1e-5, abs=1e-6), k
+
+
+def test_rows_with_position_ids_are_refused():
+    """A packed row given as a row: its position_ids were dropped by the padding, so the sequences were
+    read as one (15 targets for 13, attending across sequences)."""
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match="row 1 has position_ids"):
+        evaluate(model, [[1, 2, 3], {"input_ids": [1, 2, 3, 4, 5], "position_ids": [0, 1, 0, 1, 2]}])

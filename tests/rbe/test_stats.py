@@ -74,3 +74,11 @@ def test_errors():
         RBEStats(10).add(torch.tensor([10]), torch.tensor([1.0]))
     with pytest.raises(ValueError, match="cannot merge"):
         RBEStats(10).merge(RBEStats(11))
+
+
+def test_one_observed_rank_has_no_negative_zero():
+    """Every token at one rank (a model that ranks every target first): Error-Entropy is 0.0, not the
+    -0.0 that the report printed as "-0.000000" and JSON wrote as -0.0."""
+    d = RBEStats(7).add(torch.zeros(3, dtype=torch.long), torch.tensor([0.1, 0.2, 0.3])).decompose()
+    assert math.copysign(1.0, d.error_entropy) == 1.0 and math.copysign(1.0, d.self_alignment) == 1.0
+    assert check_identity(d) and d.top1 == 1.0
