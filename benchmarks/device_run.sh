@@ -46,10 +46,18 @@ pack() {  # the records so far, as one file
   tar -czf "$RECORDS.tar.gz" -C "$RECORDS" . && mv -f "$RECORDS.tar.gz" "$OUT/records.tar.gz"
 }
 trap 'pack && rm -rf "$RECORDS"' EXIT  # the loose records are kept where packing failed
+# The device tool kills the call at its limit (600 s) with everything in it, this script's packing
+# too: a step still running then is stopped here in time, so that what it wrote is packed.
+BUDGET_S=${DEVICE_RUN_BUDGET_S:-570}
 step() {  # step NAME COMMAND...: run, log, record a failure without stopping, pack the records
-  local name=$1; shift
-  "$@" 2>&1 | tee -a "$OUT/log.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || echo "$name failed" | tee -a "$OUT/failures.txt"
+  local name=$1 left=$((BUDGET_S - SECONDS)); shift
+  if [ "$left" -le 0 ]; then echo "$name not started: time budget spent" | tee -a "$OUT/failures.txt"; return; fi
+  timeout -k 10 "$left" "$@" 2>&1 | tee -a "$OUT/log.txt"
+  case "${PIPESTATUS[0]}" in
+    0) ;;
+    124|137) echo "$name stopped: time budget spent (${BUDGET_S} s)" | tee -a "$OUT/failures.txt" ;;
+    *) echo "$name failed" | tee -a "$OUT/failures.txt" ;;
+  esac
   pack
 }
 case "$STAGE" in
@@ -62,7 +70,7 @@ case "$STAGE" in
     # rank ties with duplicated target rows (the target logit rounds like the sweep's tiles)
     step gpu_ties python3 benchmarks/gpu_ties.py --out "$RECORDS"
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
-    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 300 --out "$RECORDS"
+    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 240 --out "$RECORDS"
     ;;
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -5,7 +5,8 @@
     TRITON_INTERPRET=1 python benchmarks/peers.py --device cpu --small    # checks the harness itself
 
 For every shape (head D x V, tokens N) and variant: median time of the forward, the backward and
-forward+backward (triton.testing.do_bench on CUDA: warm-up, L2 flushed between runs; inputs rotated
+forward+backward (CUDA events as in triton.testing.do_bench: warm-up, L2 flushed between runs, at
+least --reps runs; inputs rotated
 over --rotate sets so that no run reuses the previous run's cached inputs), and the peak memory
 allocated above the inputs.  Beside each row: the floor, 6NDV FLOPs (2NDV forward) at the bf16
 matmul rate measured here in the same run (a plain [N, D] x [D, V] product), and the memory lower
@@ -71,7 +72,11 @@ def make_variant(name: str, device: torch.device):
     if name == "compile_chunked":
         if device.type != "cuda":
             raise Unavailable("torch.compile benchmarked on CUDA only")
-        return torch.compile(_chunked_ce), False
+        # Dynamo's cache belongs to _chunked_ce's code object, shared by every shape of the run: each
+        # shape adds two entries (with and without gradients), and past recompile_limit (8) it runs
+        # the function eager, still timed as this row.  A fresh cache per shape stays under it.
+        torch._dynamo.reset()
+        return torch.compile(_chunked_ce, dynamic=False), False
     if name == "liger":
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -104,8 +109,8 @@ def make_variant(name: str, device: torch.device):
         from hf_mhce.rbe.stats import RBEStats
 
         def ranked(x, w, y):
-            stats = RBEStats(w.shape[0], device=x.device)
-            with collect_ranks(stats.add):
+            ranked.stats = RBEStats(w.shape[0], device=x.device)  # run_shape checks that every token was ranked
+            with collect_ranks(ranked.stats.add):
                 return hf_mhce.linear_cross_entropy(x, w, y, backend="triton")
         return ranked, True
     raise ValueError(f"unknown variant {name!r}")
@@ -123,17 +128,20 @@ def inputs(n, d, v, device, dtype, rotate, seed=0):
     return w, sets
 
 
+def _flush_buffer(device) -> torch.Tensor:
+    """Zeroed before each timed run on CUDA: evicts L2 (50-60 MB on Hopper), as do_bench's buffer does."""
+    return torch.empty(256 * 2**20, dtype=torch.int8, device=device)
+
+
 class Timer:
-    """Median milliseconds of fn(): do_bench on CUDA (L2 flushed), perf_counter elsewhere."""
+    """Median milliseconds of fn(): CUDA events around each run (L2 flushed before it), perf_counter elsewhere."""
 
     def __init__(self, device, reps):
         self.device, self.reps = device, reps
 
     def __call__(self, fn) -> float:
         if self.device.type == "cuda":
-            import triton.testing
-
-            return float(triton.testing.do_bench(fn, warmup=25, rep=max(100, 20 * self.reps), return_mode="median"))
+            return self._cuda(fn)
         fn()
         times = []
         for _ in range(self.reps):
@@ -141,6 +149,29 @@ class Timer:
             fn()
             times.append(1000 * (time.perf_counter() - t0))
         return statistics.median(times)
+
+    def _cuda(self, fn) -> float:
+        """do_bench's method (warm-up, L2 flushed, events; 100 ms of runs) with at least ``reps`` runs:
+        do_bench times rep / estimate runs, one alone where a run takes over 100 ms (the P6 shapes),
+        after five runs for its estimate; one run gives the estimate here."""
+        fn()  # compilation and autotuning
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        estimate = max(1000 * (time.perf_counter() - t0), 1e-3)
+        flush = _flush_buffer(self.device)
+        for _ in range(max(1, int(25 / estimate))):
+            fn()
+        runs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(max(self.reps, min(int(max(100, 20 * self.reps) / estimate), 10_000)))]
+        for start, end in runs:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in runs)
 
 
 def matmul_rate(n, d, v, device, dtype, timer) -> float:
@@ -182,17 +213,14 @@ def measure(fn, forward_only, w, sets, timer, device) -> dict:
     def pick():
         return sets[next(it) % len(sets)]
 
-    def fwd():
+    def fwd():  # evaluation: no leaf wants a gradient (Liger computes them in its forward when one does)
         x, y = pick()
         with torch.no_grad():
-            fn(x, w, y)
+            fn(x.detach(), w.detach(), y)
 
-    def fwd_bwd():
+    def fwd_bwd():  # fresh leaves: the shared inputs never turn into ones that want gradients
         x, y = pick()
-        x.requires_grad_(True)
-        w.requires_grad_(True)
-        fn(x, w, y).backward()
-        x.grad = w.grad = None
+        fn(x.detach().requires_grad_(), w.detach().requires_grad_(), y).backward()
 
     row = {"fwd_ms": timer(fwd)}
     if not forward_only:
@@ -228,6 +256,8 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
             ref_loss, *ref_grads = references[heads]
             with torch.no_grad():
                 row["loss_rel_err"] = abs(float(fn(x0, w, y0)) - ref_loss) / abs(ref_loss)
+            if hasattr(fn, "stats") and fn.stats.num_tokens != int((y0 != -100).sum()):  # ranks: a row timing no ranks
+                raise RuntimeError(f"{fn.stats.num_tokens} tokens ranked of {int((y0 != -100).sum())}")
             if not forward_only:
                 row.update(grad_errors(fn, x0, w, y0, ref_grads))
             row.update(measure(fn, forward_only, w, sets, timer, device))
@@ -249,10 +279,23 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
     return rows
 
 
+def versions() -> str:
+    """The packages each row ran with: a peer's speed and defaults change between its releases."""
+    from importlib import metadata
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    return ", ".join(f"{name} {version(name)}" for name in ("torch", "triton", "liger-kernel", "cut-cross-entropy"))
+
+
 def markdown(rows: list[dict], device_name: str, today: str) -> str:
-    lines = [f"# Fused cross-entropy vs peers on {device_name} ({today})", "",
+    lines = [f"# Fused cross-entropy vs peers on {device_name} ({today})", "", f"Versions: {versions()}.", "",
              "Times in ms (median); floor = 6NDV (fwd+bwd) or 2NDV (fwd) FLOPs at the matmul rate measured in the "
-             "same run; memory = peak allocated above the inputs vs dX + dW; loss / dX / dW err = relative difference from "
+             "same run; fwd = an evaluation forward (no gradients), bwd = fwd+bwd - fwd; x hf_mhce_ce: fwd+bwd, or fwd for "
+             "forward-only rows; memory = peak allocated above the inputs vs dX + dW; loss / dX / dW err = relative difference from "
              "the float32 reference of the row's own loss (cross-entropy; MHCE with H heads for the MHCE rows).", ""]
     for shape in dict.fromkeys((r["shape"], r["N"]) for r in rows):
         group = [r for r in rows if (r["shape"], r["N"]) == shape]
@@ -265,7 +308,8 @@ def markdown(rows: list[dict], device_name: str, today: str) -> str:
         for r in group:
             def f(key, fmt=".2f"):
                 return format(r[key], fmt) if key in r else "-"
-            rel = (f"{r['fwd_bwd_ms'] / ours['fwd_bwd_ms']:.2f}" if ours and "fwd_bwd_ms" in r else "-")
+            key = "fwd_bwd_ms" if "fwd_bwd_ms" in r else "fwd_ms"  # forward-only rows (ranks): vs our forward
+            rel = f"{r[key] / ours[key]:.2f}" if ours and key in r else "-"
             lines.append(f"| {r['variant']} | {f('fwd_ms')} | {f('bwd_ms')} | {f('fwd_bwd_ms')} | {f('vs_floor')} | "
                          f"{f('peak_extra_mb', '.0f')} | {f('mem_vs_bound')} | {rel} | {f('loss_rel_err', '.1e')} | "
                          f"{f('dx_rel_err', '.1e')} | {f('dw_rel_err', '.1e')} | {r.get('note', '')} |")

@@ -4,7 +4,7 @@
     python benchmarks/tile_sweep.py --heads 1 4 --budget-s 420
     TRITON_INTERPRET=1 python benchmarks/tile_sweep.py --device cpu --small    # checks the script itself
 
-Stages, each timed with the harness of peers.py (do_bench median, inputs rotated):
+Stages, each timed with the harness of peers.py (median of CUDA events, L2 flushed, inputs rotated):
   1. forward tiles at N=16384 (BLOCK_N x BLOCK_V x BLOCK_K x warps x stages);
   2. forward vocabulary splits at N=4096 (64 token blocks: half an H100 without splits);
   3. backward tiles at N=16384 (fused dX + dW pass of 16-bit inputs);
@@ -183,7 +183,7 @@ def markdown(rows, device_name, today, tol) -> str:
     from hf_mhce.ops.triton_tile import _GPU_DEFAULTS
 
     lines = [f"# Tile sweep on {device_name} ({today})", "",
-             f"Median ms (do_bench), `again` = a second timing of the fastest three; err = relative L2 difference from "
+             f"Median ms (CUDA events, peers.Timer), `again` = a second timing of the fastest three; err = relative L2 difference from "
              f"the default setting's output (picked only if <= {tol:g}). Defaults at the time: `{_GPU_DEFAULTS}`.", ""]
     for key in dict.fromkeys((r["heads"], r["stage"], r["N"]) for r in rows):
         group = [r for r in rows if (r["heads"], r["stage"], r["N"]) == key]

@@ -288,5 +288,24 @@ def test_device_run_packs_the_records(tmp_path):
         names = sorted(Path(n).name for n in tar.getnames() if n.endswith((".json", ".md")))
     assert [Path(n).suffix for n in names] == [".json", ".md"] and names[0].startswith(f"cpu-{today()}-peers-gpt2-small")
     assert "| hf_eager |" in (out / "log.txt").read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "cwd", "out"]  # its scratch folder removed
+    # its scratch folder removed (importing torch._dynamo makes $TMPDIR/torchinductor_<user> unless an earlier
+    # test's process exported TORCHINDUCTOR_CACHE_DIR: not the script's)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor_")) == ["bin", "cwd", "out"]
 
+
+
+def test_device_run_stops_a_step_in_time_to_pack_it(tmp_path, monkeypatch):
+    """The device tool kills a call at its limit with everything in it, packing too: a peers run cut
+    there lost the shapes it had finished (written to the scratch folder, packed only after the step).
+    A step still running at the budget is stopped by the script itself, and what it wrote comes back."""
+    python = ('case "$1" in -c) exit 0 ;; -m) exit 1 ;; esac\n'
+              'while [ $# -gt 0 ]; do [ "$1" = --out ] && out=$2; shift; done\n'
+              'echo "[1]" > "$out/first-shape.json"; echo "# first shape" > "$out/first-shape.md"\nsleep 20')
+    monkeypatch.setenv("DEVICE_RUN_BUDGET_S", "3")
+    proc = _device_run(tmp_path, "peers", fake={"nvidia-smi": "echo name; echo H100", "python3": python})
+    out = tmp_path / "out"
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "peers stopped: time budget spent" in (out / "failures.txt").read_text()
+    with tarfile.open(out / "records.tar.gz") as tar:
+        assert sorted(Path(n).name for n in tar.getnames() if n.endswith((".json", ".md"))) == [
+            "first-shape.json", "first-shape.md"]

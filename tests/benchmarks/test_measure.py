@@ -1,0 +1,160 @@
+"""What the GPU benchmarks measure, checked on CPU with the CUDA-only parts stubbed.
+
+A number that is wrong on the device shows no error there: the one GPU run a session may get
+would report it.  Each test here pins one way a row could time or count the wrong thing.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))  # the scripts import records (and peers) as top-level modules
+
+
+def test_forward_timing_asks_for_no_gradients_whatever_ran_before():
+    """Liger computes dX and dW in its forward whenever its inputs want gradients, no_grad or not:
+    a forward timed on leaves that an earlier row's fwd+bwd turned into ones wanting gradients
+    times the whole step (and the backward comes out near 0)."""
+    import peers
+
+    seen = []
+
+    def fn(x, w, y):
+        seen.append((torch.is_grad_enabled(), x.requires_grad, w.requires_grad))
+        return (x @ w.T).float().logsumexp(-1).mean()
+
+    w, sets = peers.inputs(5, 4, 7, torch.device("cpu"), torch.float32, rotate=2)
+    timer = peers.Timer(torch.device("cpu"), reps=2)
+    for _ in range(2):  # two rows, one after the other, as run_shape times them
+        peers.measure(fn, False, w, sets, timer, torch.device("cpu"))
+    assert {s for s in seen if not s[0]} == {(False, False, False)}, seen  # forwards: no leaf wants a gradient
+    assert {s for s in seen if s[0]} == {(True, True, True)}, seen  # fwd+bwd: both leaves do
+    assert not w.requires_grad and not any(x.requires_grad for x, _ in sets)  # the shared inputs stay as made
+
+
+def test_ranks_row_is_compared_with_our_forward():
+    """The P6 target for ranks in evaluation is <= 1.05x our CE: the forward-only row needs its ratio."""
+    import peers
+
+    base = {"shape": "llama3", "D": 4096, "V": 128256, "N": 4096, "floor_fwd_ms": 1.0, "floor_fwd_bwd_ms": 3.0}
+    rows = [{**base, "variant": "hf_mhce_ce", "fwd_ms": 10.0, "fwd_bwd_ms": 30.0},
+            {**base, "variant": "liger", "fwd_ms": 12.0, "fwd_bwd_ms": 45.0},
+            {**base, "variant": "hf_mhce_ranks", "fwd_ms": 10.4}]
+    table = peers.markdown(rows, "GPU", "2026-01-01").splitlines()
+    ratio = {line.split("|")[1].strip(): line.split("|")[8].strip() for line in table if line.startswith("| ")}
+    assert ratio["liger"] == "1.50" and ratio["hf_mhce_ranks"] == "1.04", ratio
+
+
+def test_ranks_row_that_ranks_nothing_is_no_result(monkeypatch):
+    """A ranks row whose sink never fills times a plain CE forward and meets its target for nothing."""
+    import contextlib
+
+    import peers
+
+    import hf_mhce.losses
+
+    monkeypatch.setattr(hf_mhce.losses, "collect_ranks", lambda sink: contextlib.nullcontext())
+    rows = peers.run_shape("gpt2", 8, 37, 9, ["hf_mhce_ranks"], torch.device("cpu"), torch.bfloat16, 1, 1)
+    assert "tokens ranked of" in rows[0].get("note", ""), rows
+
+
+def test_compiled_peer_stays_compiled_across_shapes(monkeypatch):
+    """Dynamo's cache is per code object: every shape of a run added two entries to one cache, and past
+    recompile_limit the function runs eager, still reported as compile_chunked."""
+    import peers
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda f, **kw: compile_(f, backend="eager", **kw))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # 8 on the device: 4 shapes there
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    try:
+        for n, d, v in [(8, 4, 11), (16, 6, 13)]:
+            fn, _ = peers.make_variant("compile_chunked", torch.device("cuda"))  # built without a GPU
+            x, w, y = torch.randn(n, d), torch.randn(v, d), torch.randint(0, v, (n,))
+            with torch.no_grad():
+                fn(x, w, y)
+            fn(x.requires_grad_(), w.requires_grad_(), y).backward()
+    finally:
+        torch._dynamo.reset()
+
+
+def test_cuda_timer_times_at_least_reps_runs(monkeypatch):
+    """do_bench times rep / estimate runs: a single one at the P6 shapes, where a fwd+bwd takes
+    100-400 ms, and its median is then one sample.  Stubs: CUDA events on the host clock; the old
+    do_bench path is triton's loop (testing.py) on those events."""
+    import peers
+    import triton.testing
+
+    samples = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end):
+            samples.append(1000 * (end.t - self.t))
+            return samples[-1]
+
+    def do_bench(fn, warmup=25, rep=100, return_mode="mean", **kwargs):
+        fn()
+        start, end = Event(), Event()
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        estimate = start.elapsed_time(end) / 5
+        samples.pop()  # the estimate is no timed run
+        for _ in range(max(1, int(warmup / estimate))):
+            fn()
+        runs = [(Event(), Event()) for _ in range(max(1, int(rep / estimate)))]
+        for s, e in runs:
+            s.record()
+            fn()
+            e.record()
+        return statistics.median(s.elapsed_time(e) for s, e in runs)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    monkeypatch.setattr(peers, "_flush_buffer", lambda device: torch.empty(1), raising=False)
+    ms = peers.Timer(torch.device("cuda"), reps=5)(lambda: time.sleep(0.04))
+    assert len(samples) >= 5, samples
+    assert 35 < ms < 80, ms
+
+
+def test_gpu_suite_keeps_its_rows_when_eager_runs_out_of_memory(monkeypatch, tmp_path):
+    """The eager baseline holds H float32 [N, V] log-softmaxes: over 80 GB at H = 8 and the default
+    shape.  Its out-of-memory error ended the suite before it wrote anything, our kernels' checks too."""
+    import gpu_suite
+
+    def eager_oom(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (stub)")
+
+    monkeypatch.setattr(gpu_suite, "eager_mhce", eager_oom)
+    monkeypatch.setattr(gpu_suite, "check_device", lambda p, args: torch.device("cpu"))
+    monkeypatch.setattr(gpu_suite, "device_label", lambda device: "GPU")
+    gpu_suite.main(["--small", "--tokens", "9", "--vocab", "67", "--hidden", "8", "--heads", "2", "--dtypes",
+                    "bfloat16", "--reps", "1", "--out", str(tmp_path)])
+    (record,) = tmp_path.glob("*.json")
+    (row,) = json.loads(record.read_text())
+    assert row["eager_note"] == "out of memory" and row["err_loss"] < 1e-2 and "ours_ms" in row, row
+
+
+
+def test_peers_table_names_the_versions():
+    """Liger and CCE change their defaults and speed between releases (CCE's impl names too): a table
+    without the versions it ran cannot be compared with the next one."""
+    import peers
+
+    row = {"shape": "gpt2", "D": 8, "V": 37, "N": 9, "floor_fwd_ms": 1.0, "floor_fwd_bwd_ms": 3.0, "variant": "hf_eager"}
+    table = peers.markdown([row], "GPU", "2026-01-01")
+    assert f"torch {torch.__version__}" in table and "liger-kernel " in table and "cut-cross-entropy " in table, table
