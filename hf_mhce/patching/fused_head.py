@@ -28,7 +28,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers.utils import ModelOutput
 
-from ..losses import multi_head_cross_entropy, multi_head_logprobs
+from ..losses import collect_ranks, multi_head_cross_entropy, multi_head_logprobs
+from ..losses.collect import active_sink
 from ..ops.torch_sweep import chunk_bytes
 from .families import logit_transform
 from .head import fused_operands, mixed_batch_adapters, resolve_head
@@ -76,7 +77,7 @@ def fused_head_output(model, state, hidden, labels, shift_labels=None, num_items
     if not state.reference_checked:
         state.reference_checked = check_reference_model(state)
     multiply, divide, softcap = logit_transform(model, state.facts)
-    scale = (multiply or 1.0) / (divide or 1.0)
+    scale = own_scale = (multiply or 1.0) / (divide or 1.0)
     temperature = options["temperature"]
     if temperature != 1.0:
         if cfg.loss == "mhce" or softcap is not None:
@@ -91,13 +92,26 @@ def fused_head_output(model, state, hidden, labels, shift_labels=None, num_items
     wanted = [k for k in TOKEN_FIELDS if k in options["outputs"] and k != "log_probs"]
     fp32 = options.get("cast_lm_head_to_fp32", False)
 
-    def fields(hidden, labels):  # reads the head inside the head's call: see sharding.py
+    # ranks counted in this pass (RBECallback, rbe.evaluate) are the model's, not at TRL's sampling temperature
+    count_apart = temperature != 1.0 and active_sink() is not None
+
+    def operands(hidden, scale):
         x, w, b, low_rank = fused_operands(resolve_head(head, None, hidden), hidden, cfg.num_heads, scale)
         if fp32:  # TRL's cast_lm_head_to_fp32: float32 operands, autocast off (as its own fused head)
             x, w, b = x.float(), w.float(), None if b is None else b.float()
             low_rank = None if low_rank is None else (low_rank[0].float(), low_rank[1].float())
-        nll = multi_head_cross_entropy(x, w, labels, cfg.num_heads, bias=b, low_rank=low_rank, softcap=softcap,
-                                       ignore_index=TRL_IGNORE_INDEX, reduction="none", backend=cfg.backend)
+        return x, w, b, low_rank
+
+    def token_nll(x, w, b, low_rank, labels):
+        return multi_head_cross_entropy(x, w, labels, cfg.num_heads, bias=b, low_rank=low_rank, softcap=softcap,
+                                        ignore_index=TRL_IGNORE_INDEX, reduction="none", backend=cfg.backend)
+
+    def fields(hidden, labels):  # reads the head inside the head's call: see sharding.py
+        x, w, b, low_rank = operands(hidden, scale)
+        with collect_ranks(None) if count_apart else contextlib.nullcontext():
+            nll = token_nll(x, w, b, low_rank, labels)
+        if count_apart:  # no gradient here: one more sweep, at temperature 1, feeds the sink
+            token_nll(*operands(hidden, own_scale), labels)
         return nll, _token_stats(x, w, b, low_rank, labels, cfg.num_heads, softcap, wanted)
 
     with torch.autocast(hidden.device.type, enabled=False) if fp32 else contextlib.nullcontext():

@@ -6,7 +6,9 @@ How it hooks into ``Trainer`` (transformers 5.x):
   patched loss computed without gradient -- an evaluation forward -- feeds it ranks and NLL from
   the same fused sweep (no second forward, no logits, no gathered predictions).  Each forward
   starts from an empty batch, and a sink that was already active (``hf_mhce.rbe.evaluate`` on the
-  same model) is fed too;
+  same model) is fed too.  A forward under other PEFT adapters than the model has after the batch
+  (TRL's reference for a PEFT policy: the same model with its adapter disabled, or a "ref" adapter)
+  keeps its own batch, which is not counted;
 - ``on_prediction_step`` (after each evaluation batch) moves what the batch fed into the
   statistics of the running evaluation, so no-grad forwards outside an evaluation, other models'
   forwards and ``predict()`` batches are not counted;
@@ -68,6 +70,7 @@ class RBECallback(TrainerCallback):
         self.last_stats: dict[str, RBEStats] = {}
         self._batch: list = []  # (ranks, nll) fed by the forward in progress
         self._labels: tuple | None = None  # (labels, shift_labels, ignore_index) of that forward
+        self._forwards: dict = {}  # adapter state -> (batch, labels, input_ids) of its last forward
         self._running: RBEStats | None = None
         self._model = None
         self._hooks: list = []
@@ -92,6 +95,12 @@ class RBECallback(TrainerCallback):
         ignore_index = kwargs.get("ignore_index", saved.get("ignore_index", -100))
         self._labels = (kwargs.get("labels"), kwargs.get("shift_labels"), ignore_index, kwargs.get("position_ids"),
                         kwargs.get("attention_mask"))
+        if not torch.is_grad_enabled():  # only a forward without gradient feeds ranks
+            key, ids = _adapter_state(module), kwargs.get("input_ids")
+            kept = self._forwards.get(key)
+            # the batch's logits recomputed without labels (TRL's SFT, for compute_metrics) keep its ranks
+            if not (self._labels[0] is None and self._labels[1] is None and kept and ids is not None and kept[2] is ids):
+                self._forwards[key] = (self._batch, self._labels, ids)
         outer = active_sink()  # e.g. hf_mhce.rbe.evaluate on this model: feed it as well
         sink = self._sink if outer is None else _fan_out(self._sink, outer)
         cm = collect_ranks(sink)
@@ -126,6 +135,7 @@ class RBECallback(TrainerCallback):
         self._attach(model)  # added with trainer.add_callback, or a model_init model
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        self._forwards = {}  # no-grad forwards of training (e.g. TRL's reference) are no evaluation's
         # Metrics summed across processes assume one model: checked after the first two steps (a
         # warm-up may give the first a zero learning rate) and at every evaluation during training.
         if state.global_step <= 2 and args.world_size > 1 and model is not None:
@@ -143,6 +153,10 @@ class RBECallback(TrainerCallback):
                 self._late = True
         if self._new_evaluation(eval_dataloader):
             self._running = None  # an earlier evaluation that raised before its log is no part of this one
+        # the batch of the last forward under the adapters the model has now, which TRL's reference forward
+        # (adapter disabled or switched, after the policy's) has not
+        self._batch, self._labels, _ = self._forwards.get(_adapter_state(self._model or model), ([], None, None))
+        self._forwards = {}
         if self._batch:
             ranks = torch.cat([r for r, _ in self._batch])
             nll = torch.cat([n for _, n in self._batch])
@@ -188,6 +202,7 @@ class RBECallback(TrainerCallback):
 
     def on_predict(self, args, state, control, **kwargs):
         self._running, self._batch, self._late = None, [], False  # predict() batches are not an evaluation
+        self._forwards = {}
 
     # -- reporting --------------------------------------------------------------------------
     def on_log(self, args, state, control, logs=None, model=None, **kwargs):
@@ -197,7 +212,7 @@ class RBECallback(TrainerCallback):
         if self._model is None:
             self._attach(model)
         stats = self._running if self._running is not None else RBEStats(self._vocab_size)
-        self._running, self._batch = None, []
+        self._running, self._batch, self._forwards = None, [], {}
         if self._late:
             self._late = False
             logger.warning("RBECallback was added after the Trainer was built: evaluation %r is not reported "
@@ -310,6 +325,22 @@ def _sample_tokens(labels, shift_labels, ignore_index, position_ids=None, attent
     # sample of each predicting token (row 0's leading padding, before any start, counts nothing)
     sample = (starts.reshape(-1).cumsum(0).reshape(starts.shape)[:, :width] - 1).clamp(min=0)
     return torch.zeros(int(starts.sum()), dtype=torch.long).index_add_(0, sample.reshape(-1), counted.reshape(-1).long())
+
+
+def _adapter_state(model) -> tuple:
+    """The PEFT adapters a forward of ``model`` runs with: (PeftModel's disabled flag and active adapter, the
+    first adapter layer's); () without PEFT."""
+    if model is None or "peft" not in sys.modules:
+        return ()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    state = ()
+    for m in model.modules():
+        if hasattr(m, "_adapters_disabled") and hasattr(m, "peft_config"):  # a PeftModel (disable_adapter, set_adapter)
+            state += (m._adapters_disabled, str(m.active_adapter))
+        elif isinstance(m, BaseTunerLayer):  # also transformers' own adapters (model.disable_adapters())
+            return state + (m.disable_adapters, tuple(m.active_adapters))
+    return state
 
 
 def _fan_out(*sinks):

@@ -252,3 +252,91 @@ def test_precomputed_reference_log_probs_of_an_unpatched_reference_stay_refused(
     trainer = dpo(hf_mhce.apply_patch(_model(), loss="mhce", num_heads=2))
     trainer.train()
     assert [h for h in trainer.state.log_history if "loss" in h][0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+
+
+def _policy_rbe(model, loader, labels_of):
+    """(tokens, mean NLL, mean rank) of the policy on the eval batches: float64 log-softmax of its logits."""
+    nll, ranks = [], []
+    with torch.no_grad():
+        for batch in loader:
+            lp = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.double()
+            lp, labels = lp[:, :-1].log_softmax(-1), labels_of(batch)[:, 1:]
+            valid = labels != -100
+            target = lp.gather(-1, labels.clamp(min=0)[..., None])
+            nll.append(-target[..., 0][valid])
+            ranks.append((lp > target).sum(-1)[valid])
+    nll, ranks = torch.cat(nll), torch.cat(ranks)
+    return nll.numel(), nll.mean().item(), ranks.double().mean().item()
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+def test_rbe_of_a_peft_policy_leaves_out_the_reference_forwards(kind):
+    """With peft_config and no ref_model, TRL's reference is the policy with its adapter disabled, called after
+    the policy in each evaluation batch: RBECallback reported that reference (DPO: cross-entropy 3.631, mean rank
+    19.45 for the policy's 3.600, 16.75).  Only the forwards with the policy's adapters are counted."""
+    from peft import LoraConfig
+    from trl import KTOConfig, KTOTrainer
+
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM",
+                      init_lora_weights=False)  # an adapter that changes the model from the start
+    if kind == "dpo":
+        data, cls, config = _dpo_data(), DPOTrainer, DPOConfig
+    else:
+        data = Dataset.from_dict({"prompt": TEXTS * 2, "completion": [" " + t for t in TEXTS[::-1] + TEXTS],
+                                  "label": [True] * 8 + [False] * 8}).shuffle(seed=1).select(range(8))
+        cls, config = KTOTrainer, KTOConfig
+    trainer = cls(model=hf_mhce.apply_patch(_model()), args=_args(config, per_device_eval_batch_size=4),
+                  train_dataset=data, eval_dataset=data, processing_class=_tokenizer(), peft_config=lora,
+                  callbacks=[hf_mhce.RBECallback()])
+    metrics = trainer.evaluate()
+    labels_of = lambda b: b["input_ids"].masked_fill(b["completion_mask"] == 0, -100)  # noqa: E731
+    tokens, ce, rank = _policy_rbe(trainer.model, trainer.get_eval_dataloader(), labels_of)
+    with trainer.model.disable_adapter():
+        assert _policy_rbe(trainer.model, trainer.get_eval_dataloader(), labels_of)[1] != pytest.approx(ce, rel=1e-3)
+    assert metrics["eval_rbe_num_tokens"] == tokens
+    assert metrics["eval_rbe_cross_entropy"] == pytest.approx(ce, rel=1e-6)
+    assert metrics["eval_rbe_mean_rank"] == pytest.approx(rank, rel=1e-9)
+
+
+def test_ranks_counted_under_a_sampling_temperature_are_the_model_s():
+    """GRPO / RLOO ask for log-probs at their sampling temperature; the RBE statistics counted in that pass
+    (RBECallback, rbe.evaluate) took the tempered NLL (GRPO eval at 0.7: cross-entropy 3.543 for the model's
+    3.561).  TRL still gets its tempered log-probs; the ranks and NLL counted are the model's."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_mhce.losses import collect_ranks
+
+    model = hf_mhce.apply_patch(_model())
+    add_fused_lm_head(model, temperature=0.7)
+    ids = torch.tensor([[1, 5, 9, 14, 20, 7, 3, 12, 30, 4]])
+    labels = ids.masked_fill(torch.arange(10) < 3, -100)
+    counted = []
+    with torch.no_grad(), collect_ranks(lambda r, n: counted.append((r, n))):
+        log_probs = model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs[0]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1].double()
+    targets, valid = labels[0, 1:].clamp(min=0), labels[0, 1:] != -100
+    tempered = (logits / 0.7).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    torch.testing.assert_close(log_probs.double()[valid], tempered[valid], rtol=1e-5, atol=1e-5)  # TRL's, as before
+    lp = logits.log_softmax(-1)
+    target = lp.gather(-1, targets[:, None])
+    (ranks, nll), = counted
+    torch.testing.assert_close(nll.double(), -target[valid, 0], rtol=1e-5, atol=1e-5)
+    assert ranks.tolist() == (lp > target).sum(-1)[valid].tolist()
+
+
+def test_rbe_of_an_sft_evaluation_with_compute_metrics():
+    """With compute_metrics, TRL's SFT computes each eval batch's logits in a second forward without labels, which
+    started a new, empty batch: no RBE metric at all, and a warning blaming the labels.  That forward of the same
+    input_ids leaves the batch counted."""
+    data = Dataset.from_dict({"text": [TEXTS[i % 8] * (1 + i % 3) for i in range(12)]})
+    rbe = []
+    for compute_metrics in (None, lambda prediction: {"seen": 1.0}):
+        trainer = SFTTrainer(model=hf_mhce.apply_patch(_model()), args=_args(SFTConfig), train_dataset=data,
+                             eval_dataset=data.select(range(6)),
+                             processing_class=_tokenizer(), compute_metrics=compute_metrics,
+                             callbacks=[hf_mhce.RBECallback()])
+        metrics = trainer.evaluate()
+        rbe.append({k: v for k, v in metrics.items() if "_rbe_" in k})
+    assert "eval_seen" in metrics and rbe[0]["eval_rbe_num_tokens"] > 0
+    assert rbe[1] == rbe[0]
