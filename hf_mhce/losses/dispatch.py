@@ -37,7 +37,7 @@ _TORCH_OPS = SimpleNamespace(name="torch", forward_stats=torch_sweep.forward_sta
 
 def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
     """The ops namespace (forward_stats, backward) to use for tensors on ``device`` of ``dtype``."""
-    name = backend if backend is not None else os.environ.get("HF_MHCE_BACKEND", "auto")
+    name = backend if backend is not None else os.environ.get("HF_MHCE_BACKEND") or "auto"  # set empty: the default
     if not isinstance(name, str) or name.lower() not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} (argument or HF_MHCE_BACKEND), got {name!r}")
     name = name.lower()

@@ -160,6 +160,7 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
         for v0, v1, ws in _ranges(v, budget // row_bytes, cfg["BLOCK_V"], d, dev, True):
             launch((0, n), (v0, v1), None, ws, *side)
             dw[v0:v1] = ws[: v1 - v0]
+        ws = None  # freed before the dX pass allocates its own: one scratch within the budget at a time
         side = (False, False, False)
     if need_dx:
         for n0, n1, ws in _ranges(n, budget // row_bytes, cfg["BLOCK_N"], d, dev, True):

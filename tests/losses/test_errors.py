@@ -175,7 +175,7 @@ def test_unknown_backend(loss_fn, monkeypatch):
 def test_backend_from_environment(monkeypatch):
     hidden, weight, b, labels = make_inputs((9,), 8, 13, bias=True)
     expected = lce(hidden, weight, labels, bias=b, backend="torch")
-    for value in ["torch", "auto"]:
+    for value in ["torch", "auto", ""]:  # empty: the default, as for HF_MHCE_CHUNK_MB / HF_MHCE_WORKSPACE_MB
         monkeypatch.setenv("HF_MHCE_BACKEND", value)
         assert torch.equal(lce(hidden, weight, labels, bias=b), expected), value
 

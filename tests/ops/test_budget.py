@@ -2,6 +2,8 @@
 (a ValueError naming the variable unless positive and finite), and the Triton backward's float32
 scratch for 16-bit inputs stays within ``HF_MHCE_WORKSPACE_MB`` whichever gradients are needed."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -56,7 +58,7 @@ class _Float32Rows:
     allocates: the dX / dW scratch (dB is [V], dU [N, H, R], dB_low [V, R] with R != D)."""
 
     def __init__(self, d):
-        self.d, self.rows = d, []
+        self.d, self.rows, self.refs, self.live = d, [], [], []
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -64,6 +66,8 @@ class _Float32Rows:
     def _record(self, t):
         if t.dtype == torch.float32 and t.dim() == 2 and t.shape[1] == self.d:
             self.rows.append(t.shape[0])
+            self.refs.append(weakref.ref(t))  # bytes of such scratch alive at each allocation
+            self.live.append(sum(r().numel() * 4 for r in self.refs if r() is not None))
         return t
 
     def zeros(self, *a, **k):
@@ -100,3 +104,18 @@ def test_16bit_scratch_within_workspace(mask, monkeypatch):
         assert (got is not None) == m, name
         if m:
             assert_close_scaled(got, want, rtol=4e-3, atol=4e-3, name=name)
+
+
+@requires_triton
+def test_16bit_dw_and_dx_scratch_never_alive_together(monkeypatch):
+    """The split backward's dW scratch was still referenced when the dX pass allocated its own: twice
+    HF_MHCE_WORKSPACE_MB (at Llama-3-8B's head and N = 32768, 1 GB of float32 scratch for 512 MB)."""
+    from hf_mhce.ops import triton_backward
+
+    n, d, v = 37, 16, 61  # float32 dX (2368 bytes) over the budget: a dW pass, then a dX pass
+    monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", "0.002")
+    spy = _Float32Rows(d)
+    monkeypatch.setattr(triton_backward, "torch", spy)
+    x, w = torch.randn(n, d).half().requires_grad_(), (torch.randn(v, d) / 3).half().requires_grad_()
+    hf_mhce.multi_head_cross_entropy(x, w, torch.randint(0, v, (n,)), 2, backend="triton").backward()
+    assert len(spy.live) == 2 and max(spy.live) <= triton_backward.workspace_bytes(), spy.live
