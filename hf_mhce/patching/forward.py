@@ -15,7 +15,6 @@ Trainer see the same parameters), its output type, and the family's logit facts.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import warnings
 from dataclasses import dataclass, field
@@ -294,8 +293,12 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
     else:
         if num_items_in_batch is None:  # each row group's sum over the whole batch's count adds up to the mean
             options["num_items_in_batch"] = counted.clamp_min(1)
-        loss = sum(call_through(head, functools.partial(fused, adapter=name), hidden[rows], shift_labels[rows])
-                   for name, rows in _adapter_groups(names, hidden))
+        groups = list(_adapter_groups(names, hidden))
+
+        def fused_groups(hidden, shift_labels):  # every group in one call of the head (see _adapter_groups)
+            return sum(fused(hidden[rows], shift_labels[rows], adapter=name) for name, rows in groups)
+
+        loss = call_through(head, fused_groups, hidden, shift_labels)
     return _nan_when_nothing_counts(loss, counted, num_items_in_batch)
 
 
@@ -344,7 +347,12 @@ def _check_item_count_ignores(shift_labels, ignore_index) -> None:
 
 
 def _adapter_groups(names, hidden):
-    """(adapter name, row indices) of a PEFT mixed-adapter batch, in order of first appearance."""
+    """(adapter name, row indices) of a PEFT mixed-adapter batch, in order of first appearance.
+
+    The groups are computed inside *one* ``call_through``, as the unpatched head is called once: a
+    sharded head (ZeRO-3, an FSDP2 unit) gathers its weight in each call, a collective, so one call
+    per group would have a rank whose rows hold another set of adapters (or none of "__base__") call
+    it a different number of times than its peers, and hang."""
     if len(names) != hidden.shape[0]:
         raise ValueError(f"adapter_names has {len(names)} entries for a batch of {hidden.shape[0]} rows")
     for name in dict.fromkeys(names):
@@ -366,12 +374,17 @@ def _logits(model, state, hidden):
         names = mixed_batch_adapters(head)
         if names is None:
             return call_through(head, mixture, hidden)
-        out = None
-        for name, rows in _adapter_groups(names, hidden):
-            part = call_through(head, functools.partial(mixture, adapter=name), hidden[rows])
-            out = part.new_empty(*hidden.shape[:-1], part.shape[-1]) if out is None else out
-            out[rows] = part
-        return out
+        groups = list(_adapter_groups(names, hidden))
+
+        def mixtures(hidden):  # every group in one call of the head (see _adapter_groups)
+            out = None
+            for name, rows in groups:
+                part = mixture(hidden[rows], adapter=name)
+                out = part.new_empty(*hidden.shape[:-1], part.shape[-1]) if out is None else out
+                out[rows] = part
+            return out
+
+        return call_through(head, mixtures, hidden)
     logits = head(hidden)  # the module itself: every PEFT wrapper (mixed-adapter batches too) behaves as in the original
     if state.facts.float32_logits or (softcap is not None and state.facts.float32_softcap):
         logits = logits.float()  # as the family's forward: its soft-cap runs in float32, its logits are float32

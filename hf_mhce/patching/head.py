@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .sharding import check_gathered, owns_sharded_params
+from .sharding import check_gathered, owns_sharded_params, unwrapped
 
 try:  # peft is a dependency, but the head logic must not fail where it is absent
     from peft.tuners.lora import LoraLayer
@@ -76,6 +76,7 @@ def resolve_head(head: nn.Module, adapter: str | None = None, hidden: torch.Tens
 
 
 def _resolve(head: nn.Module, adapter: str | None = None) -> HeadParts:
+    head = unwrapped(head)  # FSDP1's wrapper: read inside its call (sharding.py), as the module it holds
     replaced = _instance_forward(head)
     if replaced is not None:
         if not (_is_trl_fp32_forward(replaced) and type(head) is nn.Linear):
@@ -92,7 +93,7 @@ def _resolve(head: nn.Module, adapter: str | None = None) -> HeadParts:
             return _resolve(head.original_module)
         return _resolve(head.modules_to_save[active[0]])
     if LoraLayer and isinstance(head, LoraLayer) and hasattr(head, "lora_A"):
-        if not all(isinstance(m, nn.Linear) for m in head.lora_A.values()):  # e.g. AdaLoRA's SVD factors
+        if not all(isinstance(unwrapped(m), nn.Linear) for m in head.lora_A.values()):  # e.g. AdaLoRA's SVD factors
             raise UnsupportedHeadError(
                 f"the LM head is wrapped by {type(head).__module__}.{type(head).__qualname__}, a LoRA layer whose "
                 "factors are not nn.Linear modules (AdaLoRA and the like); the fused loss folds in plain LoRA only"
@@ -139,7 +140,8 @@ def _resolve_lora(layer, adapter: str | None = None) -> HeadParts:
                 f"LoRA adapter {name!r} on the LM head uses the variant {variant} (e.g. DoRA); the fused loss "
                 "folds in plain LoRA only. Merge the adapter, or leave lm_head out of target_modules"
             )
-        adapters.append(Adapter(layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name], layer.scaling[name]))
+        adapters.append(Adapter(unwrapped(layer.lora_A[name]), unwrapped(layer.lora_B[name]), layer.lora_dropout[name],
+                                layer.scaling[name]))
     return HeadParts(parts.weight, parts.bias, adapters)
 
 

@@ -29,6 +29,10 @@ try:
 except ImportError:  # pragma: no cover - torch without FSDP2
     FSDPModule = ()
 try:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+except ImportError:  # pragma: no cover
+    FullyShardedDataParallel = ()
+try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
     DTensor = ()
@@ -47,8 +51,8 @@ class ShardedHeadError(RuntimeError):
 
 def owns_sharded_params(module: nn.Module) -> bool:
     """True for a module whose own parameters a wrapper gathers only around its call."""
-    if FSDPModule and isinstance(module, FSDPModule):
-        return True
+    if (FSDPModule and isinstance(module, FSDPModule)) or isinstance(module, FullyShardedDataParallel):
+        return True  # FSDP2 unit, or FSDP1's wrapper (its flat parameter)
     own = list(module.parameters(recurse=False))
     if hasattr(module, "_hf_hook") and any(p.is_meta for p in own):
         return True  # offloaded by accelerate (device_map "cpu"/"disk"): its hook loads them around the call
@@ -67,26 +71,33 @@ def call_through(head: nn.Module, fn: Callable, *tensors: torch.Tensor):
     return fn(*tensors)
 
 
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module an FSDP1 wrapper (``FullyShardedDataParallel``: lm_head in its own unit) holds, else ``module``."""
+    return module._fsdp_wrapped_module if isinstance(module, FullyShardedDataParallel) else module
+
+
 def _inside(module: nn.Module, inner: Callable) -> Callable:
-    # accelerate's hooks call module._old_forward from their own forward: replace that one then.
-    attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
+    # accelerate's hooks call module._old_forward from their own forward: replace that one then;
+    # FSDP1's wrapper gathers in its own forward, then calls the module it wraps: replace that one's.
+    target = unwrapped(module)
+    attr = "_old_forward" if hasattr(target, "_hf_hook") else "forward"
 
     def run(*tensors):
         missing = object()
-        saved = module.__dict__.get(attr, missing)
+        saved = target.__dict__.get(attr, missing)
 
-        def through(*args):
+        def through(*args, adapter_names=None):  # PEFT's mixed-batch pre-hook adds it: forward.py routes the rows
             return inner(*args)
 
         through.hf_mhce_replaced = None if saved is missing else saved  # what head.py's check must see
-        module.__dict__[attr] = through
+        target.__dict__[attr] = through
         try:
             return module(*tensors)
         finally:
             if saved is missing:
-                del module.__dict__[attr]
+                del target.__dict__[attr]
             else:
-                module.__dict__[attr] = saved
+                target.__dict__[attr] = saved
 
     return run
 

@@ -46,6 +46,20 @@ def test_fsdp2_head_unit_read_directly_is_an_error(runs):
     assert dist["unguarded"]["error"] and "sharded DTensor" in dist["unguarded"]["error"]
 
 
+@pytest.mark.timeout(300)
+def test_fsdp1_head_in_its_own_unit(tmp_path):
+    """FSDP1 (FullyShardedDataParallel, accelerate's fsdp_version 1) with lm_head wrapped in its own unit,
+    as a size-based policy does with a large head: the fused loss runs inside the wrapper's forward,
+    which gathers the flat parameter (was: UnsupportedHeadError "the LM head is a
+    FullyShardedDataParallel, not an nn.Linear" at the first step).  Loss and every gradient equal the
+    single-process run, for CE, MHCE and LoRA on the head (its matrices wrapped too)."""
+    env = child_env(str(HERE), str(HERE.parent), str(ROOT))
+    dist, single = run_worker_pair(HERE / "fsdp1_worker.py", tmp_path, env)
+    for case in dist:
+        assert_step_equal(dist[case], single[case], case)
+    assert any("lm_head.lora_B" in n for n in dist["fsdp1_head_lora_mhce"]["grads"])
+
+
 def test_empty_partitioned_weight_is_an_error():
     """ZeRO-3 leaves an empty placeholder outside the owning module's call: never computed on."""
     model = hf_mhce.apply_patch(make_model("llama"), loss="mhce", num_heads=2)

@@ -6,6 +6,7 @@ LoRA on attention and lm_head."""
 from pathlib import Path
 
 import pytest
+import torch
 from launch_helpers import child_env, run_worker_pair
 from patching_models import assert_step_equal
 
@@ -49,3 +50,20 @@ def test_a_head_partitioned_as_it_loads_is_patched():
     hf_mhce.apply_patch(model, loss="mhce", num_heads=2)
     with pytest.raises(ValueError, match=f"does not divide the hidden size {full[1]}"):
         hf_mhce.apply_patch(model, loss="mhce", num_heads=full[1] - 1, override_saved=True)
+
+
+@pytest.mark.timeout(300)
+def test_sharded_head_mixed_adapter_batch(tmp_path):
+    """PEFT's mixed-adapter batch (adapter_names=...) with LoRA on a sharded head, the ranks holding
+    different sets of adapters: every row group is computed in one call of the head, as unpatched.
+    Was: one call per group, so under ZeRO-3 the rank with two groups gathered the head once more than
+    its peer and both hung; and under FSDP2 (the LoRA head its own unit) PEFT's pre-hook handed the
+    unit's call an adapter_names keyword, a TypeError.  Loss and logits equal the single-process run."""
+    env = child_env(str(HERE), str(HERE.parent), str(ROOT), DS_ACCELERATOR="cpu")
+    dist, single = run_worker_pair(HERE / "mixed_batch_worker.py", tmp_path, env, timeout=240)
+    unpatched = single["unpatched_lora"]["loss"]
+    assert abs(single["zero3_lora_mixed_ce"]["loss"] - unpatched) <= 1e-5 * unpatched
+    for case, got in dist.items():
+        ref = single[case]
+        assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (case, got["loss"], ref["loss"])
+        torch.testing.assert_close(torch.tensor(got["logits"]), torch.tensor(ref["logits"]), rtol=1e-5, atol=1e-5)
