@@ -20,7 +20,7 @@ import torch
 torch.set_num_threads(1)
 
 from launch_helpers import finish, single_reference  # noqa: E402
-from sharding_worker import ROWS, build, global_batch, loss_options  # noqa: E402
+from sharding_worker import ROWS, build, global_batch, loss_options, single_step  # noqa: E402
 
 CASES = ["fsdp1_head_ce", "fsdp1_head_mhce", "fsdp1_head_lora_mhce"]
 
@@ -33,10 +33,7 @@ def step(case: str, distributed: bool) -> dict:
     if case != "unpatched":
         model = hf_mhce.apply_patch(model, **loss_options(case))
     if not distributed:
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        return {"loss": loss.item(),
-                "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters() if p.grad is not None}}
+        return single_step(model, ids, labels)
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy

@@ -74,6 +74,14 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def single_step(model, ids, labels) -> dict:
+    """The one-process reference of the other workers: loss and every gradient of one step on the whole batch."""
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return {"loss": loss.item(),
+            "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters() if p.grad is not None}}
+
+
 def step(case: str, distributed: bool) -> dict:
     import hf_mhce
     from hf_mhce.patching import sharding

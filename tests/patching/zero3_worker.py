@@ -23,7 +23,7 @@ import torch
 torch.set_num_threads(1)
 
 from launch_helpers import finish, single_reference  # noqa: E402
-from sharding_worker import ROWS, build, global_batch, loss_options  # noqa: E402
+from sharding_worker import ROWS, build, global_batch, loss_options, single_step  # noqa: E402
 
 CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce"]
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
@@ -37,10 +37,7 @@ def step(case: str, distributed: bool) -> dict:
     ids, labels = global_batch()
     model = hf_mhce.apply_patch(build(case), **loss_options(case))
     if not distributed:
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        return {"loss": loss.item(),
-                "grads": {n: p.grad.flatten().tolist() for n, p in model.named_parameters() if p.grad is not None}}
+        return single_step(model, ids, labels)
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
