@@ -58,9 +58,15 @@ def router_facts(model: nn.Module, stock_forward) -> RouterFacts | str:
 
 
 def wants_router_logits(model: nn.Module, kwargs: dict) -> bool:
-    """The original forward's rule: the argument, else ``config.output_router_logits``."""
+    """The original forward's rule: the argument, else ``config.output_router_logits`` (a vision-language
+    MoE, such as Ernie-4.5-VL, reads its text config's: ``config.text_config.output_router_logits``)."""
     value = kwargs.get("output_router_logits")
-    return bool(getattr(model.config, "output_router_logits", False) if value is None else value)
+    config = model.config
+    if value is None:
+        value = getattr(config, "output_router_logits", None)
+    if value is None and hasattr(config, "get_text_config"):
+        value = getattr(config.get_text_config(), "output_router_logits", None)
+    return bool(value)
 
 
 def router_loss(model: nn.Module, facts: RouterFacts, router_logits, attention_mask):

@@ -206,3 +206,35 @@ def test_probe_leaves_no_hooks_behind():
         for m in (model, copy):
             out = m(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
             assert len(out.router_logits) >= 1 and out.aux_loss is not None
+
+
+def _ernie_vl(output_router_logits):
+    """Ernie-4.5-VL-MoE: a vision-language MoE whose forward reads config.text_config.output_router_logits."""
+    import transformers as T
+
+    text = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, moe_intermediate_size=[16, 16], moe_k=2, moe_num_experts=4,
+                moe_num_shared_experts=1, router_aux_loss_coef=0.5, output_router_logits=output_router_logits,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2, spatial_merge_size=2)
+    torch.manual_seed(0)
+    return T.Ernie4_5_VLMoeForConditionalGeneration(T.Ernie4_5_VLMoeConfig(
+        text_config=text, vision_config=vision, image_token_id=90, image_start_token_id=91, image_end_token_id=92,
+        video_token_id=93, video_start_token_id=94, video_end_token_id=95))
+
+
+@pytest.mark.parametrize("in_text_config", [True, False])
+def test_vision_language_moe_reads_the_text_configs_flag(in_text_config):
+    """Without the argument, the router loss follows config.text_config.output_router_logits there (the
+    top-level config has no such attribute): with it set, the loss holds coef * aux_loss as in HF."""
+    ref = _ernie_vl(in_text_config)
+    model = apply_patch(twin(ref))
+    ids, mask, labels = padded_batch()
+    r = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    o = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert (r.aux_loss is not None) == in_text_config and (o.aux_loss is not None) == in_text_config
+    torch.testing.assert_close(o.loss, r.loss, rtol=1e-6, atol=0)
+    r.loss.backward()
+    o.loss.backward()
+    assert_grads_close(grads(ref), grads(model))
