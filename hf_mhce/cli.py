@@ -69,7 +69,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _rbe(args: argparse.Namespace) -> int:
     import json
 
-    from .rbe.data import DataError, load_texts, load_tokenizer, looks_like_a_path, remote_code_option, token_blocks
+    from .rbe.data import (DataError, block_size_refusal, load_texts, load_tokenizer, looks_like_a_path,
+                           remote_code_option, token_blocks)
     from .rbe.evaluate import evaluate
     from .rbe.plots import MISSING, available, plot_rank_distribution
 
@@ -131,28 +132,11 @@ def _rbe(args: argparse.Namespace) -> int:
 def _max_positions(model: str, trust_remote_code: bool = False) -> tuple[int | None, str | None]:
     """The longest input the model's config allows, and the config field that says so."""
     from .patching.config import adapter_base, checkpoint_config
+    from .rbe.data import config_max_positions
 
     if adapter_base(model) is None and os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
         return None, None  # not a checkpoint: loading it says why
     return config_max_positions(checkpoint_config(model, trust_remote_code)[1])
-
-
-def config_max_positions(config) -> tuple[int | None, str | None]:
-    """The longest input a model ``config`` allows, and its field that says so ((None, None): none)."""
-    for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value, name
-    return None, None
-
-
-def block_size_refusal(option: str, block_size: int, model: str, limit: int | None, limit_name: str | None) -> str | None:
-    """Why blocks of ``block_size`` tokens are too long for ``model`` (None: they fit); a longer input
-    fails inside the model's position embedding (an IndexError mid-run)."""
-    if limit is None or block_size <= limit:
-        return None
-    return (f"{option} {block_size} is more than the {limit} positions {model} takes ({limit_name} in its config): "
-            f"pass {option} {limit} or less")
 
 
 def _load_model(path: str, trust_remote_code: bool = False):

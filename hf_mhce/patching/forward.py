@@ -168,7 +168,7 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     rng = None  # training logits beside the loss (asked for, or HF's tuple): replay the head's dropout
     if (model.training and labels is not None and not fused and (want_logits or (want_logits is None and not return_dict))
             and not torch.compiler.is_compiling()):
-        rng = _rng_state(hidden)
+        rng = _rng_state(model, hidden)
     if fused:
         check_loss_function(model)
         result = fused_head_output(model, state, hidden, labels, **loss_kwargs)
@@ -176,7 +176,8 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     elif labels is not None:  # as in transformers, shift_labels without labels asks for no loss
         check_loss_function(model)
         loss = _loss(model, state, _loss_positions(hidden, labels, logits_to_keep, loss_kwargs), labels, **loss_kwargs)
-    elif cfg.z_loss or cfg.label_smoothing or cfg.ignore_index != TRAINER_IGNORE_INDEX:
+    elif (cfg.z_loss or cfg.label_smoothing or cfg.ignore_index != TRAINER_IGNORE_INDEX) and (
+            model.training or not torch.compiler.is_compiling()):  # compiled generation: no graph break
         check_trainer_loss(cfg)  # a Trainer that took the labels would drop them
     if state.router is not None and state.router.adds_loss and kwargs["output_router_logits"]:
         aux_loss, weight = router_loss(model, state.router, getattr(outputs, "router_logits", None),
@@ -216,17 +217,19 @@ def _is_default(value, default) -> bool:
         return False
 
 
-def _rng_state(hidden):
+def _rng_state(model, hidden):
     """The generator states before the loss, to replay for the logits: unpatched, one head call gives
     both, so LoRA dropout on the head draws one mask; here the loss and the logits read the head apart.
-    Every CUDA device's state: the head may sit on another device than the hidden state."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if hidden.device.type == "cuda" else None
+    CUDA: the devices of the hidden state and the head only (nn.DataParallel's replicas run in threads)."""
+    head = model.get_output_embeddings()
+    devices = {t.device for t in (hidden, *(head.parameters() if head is not None else ())) if t.device.type == "cuda"}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
 
 
 def _set_rng_state(rng) -> None:
     torch.set_rng_state(rng[0])
-    if rng[1] is not None:
-        torch.cuda.set_rng_state_all(rng[1])
+    for device, state in rng[1].items():
+        torch.cuda.set_rng_state(state, device)
 
 
 def _warn_tuple_logits(state: PatchState) -> None:

@@ -148,7 +148,8 @@ def _resolve_lora(layer, adapter: str | None = None) -> HeadParts:
 def _resolve_tokens(layer, adapter: str | None = None) -> HeadParts:
     """PEFT's trainable tokens on a head tied to the embedding (``trainable_token_indices``): the rows
     T of W are replaced by trained ones d, i.e. W' = W + onehot(T) (d - W[T]), a rank-|T| term beside
-    W (U = (d - W[T]) x, B = onehot(T)), so no [V, D] copy.  Follows PEFT's forward_adapters."""
+    W (U = (d - W[T]) x, B = onehot(T)), so no [V, D] copy.  Follows PEFT's forward_adapters, except that a
+    head bias is kept (PEFT's tied path calls F.linear without it; no tied head of transformers has one)."""
     active = layer.active_adapters if adapter is None else [adapter]
     active = [name for name in active if name in layer.token_indices]  # "__base__" of a mixed batch: none
     if layer.disable_adapters or not active:

@@ -1,10 +1,9 @@
 """The bound methods a patch puts in an instance's ``__dict__``, and how they survive pickling.
 
 A patched transformers model carries ``forward`` (or accelerate's ``_old_forward``) and
-``save_pretrained`` / ``_upload_modified_files`` (the model card); a PeftModel around it carries the
-latter two.  They stay real bound
-methods of plain functions, because accelerate rewraps ``model.forward.__func__`` for autocast
-and rebinds it with ``MethodType`` when unwrapping.
+``save_pretrained`` and ``_upload_modified_files`` (both write the model card); a PeftModel around it
+carries those two.  They stay real bound methods of plain functions, because accelerate rewraps
+``model.forward.__func__`` for autocast and rebinds it with ``MethodType`` when unwrapping.
 
 Pickle and ``copy`` would save a bound method as ``getattr(instance, name)`` and look it up while
 the instance is still empty: a load error, or worse, the class's unpatched forward.  So each holder

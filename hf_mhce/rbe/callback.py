@@ -69,7 +69,7 @@ class RBECallback(TrainerCallback):
         self.history: list[dict] = []  # one row per evaluation: step, prefix, components
         self.last_stats: dict[str, RBEStats] = {}
         self._batch: list = []  # (ranks, nll) fed by the forward in progress
-        self._labels: tuple | None = None  # (labels, shift_labels, ignore_index) of that forward
+        self._labels: tuple | None = None  # (labels, shift_labels, ignore_index, position_ids, attention_mask)
         self._forwards: dict = {}  # adapter state -> (batch, labels, input_ids) of its last forward
         self._running: RBEStats | None = None
         self._model = None

@@ -23,6 +23,24 @@ _TEXT_OPTIONS = {"sample_by": "document"}
 IGNORE_INDEX = -100
 
 
+def config_max_positions(config) -> tuple[int | None, str | None]:
+    """The longest input a model ``config`` allows, and its field that says so ((None, None): none)."""
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value, name
+    return None, None
+
+
+def block_size_refusal(option: str, block_size: int, model: str, limit: int | None, limit_name: str | None) -> str | None:
+    """Why blocks of ``block_size`` tokens are too long for ``model`` (None: they fit); a longer input
+    fails inside the model's position embedding (an IndexError mid-run)."""
+    if limit is None or block_size <= limit:
+        return None
+    return (f"{option} {block_size} is more than the {limit} positions {model} takes ({limit_name} in its config): "
+            f"pass {option} {limit} or less")
+
+
 class DataError(ValueError):
     """Evaluation data that cannot be used; the message names the data and what to do."""
 

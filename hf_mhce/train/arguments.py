@@ -212,7 +212,7 @@ def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | N
     loss, heads = requested_loss(loss_args, saved)
     cfg = explained(resolve_config, saved, None, loss, heads, loss_options(loss_args), loss_args.override_saved)
     if config is not None:  # a longer block fails in the model's position embedding, mid-training
-        from ..cli import block_size_refusal, config_max_positions
+        from ..rbe.data import block_size_refusal, config_max_positions
 
         too_long = block_size_refusal("--block_size", data_args.block_size, model_args.model,
                                       *config_max_positions(config))

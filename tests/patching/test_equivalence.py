@@ -223,3 +223,15 @@ def test_gradient_checkpointing_matches_unpatched(family):
     out, got = _loss_and_grads(model, input_ids=ids, labels=labels, use_cache=False)
     torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=0)
     assert_grads_close(ref_grads, got)
+
+
+def test_torch_compile_of_a_forward_without_labels_is_one_graph():
+    """A model with options the Trainer's own loss would drop (here ignore_index=-1) checks for that Trainer in
+    a forward without labels, by reading Python frames: compiled in evaluation (generation), that check cut the
+    graph in two at every call, and torch.compile(fullgraph=True) failed."""
+    model = apply_patch(make_model("llama"), ignore_index=-1).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    ids, _ = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits)
