@@ -71,17 +71,18 @@ def test_compiled_peer_stays_compiled_across_shapes(monkeypatch):
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda f, **kw: compile_(f, backend="eager", **kw))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # 8 on the device: 4 shapes there
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    try:
-        for n, d, v in [(8, 4, 11), (16, 6, 13)]:
-            fn, _ = peers.make_variant("compile_chunked", torch.device("cuda"))  # built without a GPU
-            x, w, y = torch.randn(n, d), torch.randn(v, d), torch.randint(0, v, (n,))
-            with torch.no_grad():
-                fn(x, w, y)
-            fn(x.requires_grad_(), w.requires_grad_(), y).backward()
-    finally:
-        torch._dynamo.reset()
+    # 8 on the device: 4 shapes there.  config.patch, not monkeypatch: undoing a setattr on dynamo's config
+    # module deletes the key, and later compiles in the session fail on it
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        try:
+            for n, d, v in [(8, 4, 11), (16, 6, 13)]:
+                fn, _ = peers.make_variant("compile_chunked", torch.device("cuda"))  # built without a GPU
+                x, w, y = torch.randn(n, d), torch.randn(v, d), torch.randint(0, v, (n,))
+                with torch.no_grad():
+                    fn(x, w, y)
+                fn(x.requires_grad_(), w.requires_grad_(), y).backward()
+        finally:
+            torch._dynamo.reset()
 
 
 def test_cuda_timer_times_at_least_reps_runs(monkeypatch):
