@@ -53,7 +53,9 @@ def router_facts(model: nn.Module, stock_forward) -> RouterFacts | str:
     missing = [a for a in COUNT_ATTRS if not isinstance(getattr(model, a, None), int)]
     missing += [] if coef else [" or ".join(COEF_ATTRS)]
     if missing:
-        return f"its output has {list(ROUTER_FIELDS)} but the model has no attribute {', '.join(missing)}"
+        return (f"its output has {list(ROUTER_FIELDS)} but the model has no attribute {', '.join(missing)}, which "
+                f"the router's load-balancing loss reads from the model instance (this family keeps them elsewhere, "
+                f"e.g. in config.text_config), so hf_mhce cannot add that loss term")
     return RouterFacts(module=module, coef_attr=coef)
 
 
