@@ -69,8 +69,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _rbe(args: argparse.Namespace) -> int:
     import json
 
-    from .rbe.data import (DataError, block_size_refusal, load_texts, load_tokenizer, looks_like_a_path,
-                           remote_code_option, token_blocks)
+    from .rbe.data import (DataError, block_size_refusal, hub_lookup_failed, load_texts, load_tokenizer,
+                           looks_like_a_path, remote_code_option, token_blocks)
     from .rbe.evaluate import evaluate
     from .rbe.plots import MISSING, available, plot_rank_distribution
 
@@ -87,8 +87,14 @@ def _rbe(args: argparse.Namespace) -> int:
                          "directory or a hub id)")
     if args.plot and not available():
         raise SystemExit(f"--plot: {MISSING}")
-    with trusting():
-        limit, limit_name = _max_positions(args.model, args.trust_remote_code)
+    try:
+        with trusting():
+            limit, limit_name = _max_positions(args.model, args.trust_remote_code)
+    except OSError as err:
+        said = hub_lookup_failed(args.model, err)
+        if said is None:
+            raise
+        raise SystemExit(f"hf-mhce rbe: {said}") from err
     block_size = args.block_size if args.block_size is not None else min(256, limit or 256)
     too_long = block_size_refusal("--block-size", block_size, args.model, limit, limit_name)
     if too_long:
@@ -268,8 +274,17 @@ def main(argv: list[str] | None = None) -> int:
         from .train import cli as train_cli
 
         return train_cli(argv[1:])
+    if argv and argv[0] == "rbe":  # train's spelling (--block_size) too: rbe's option names use "-"
+        argv = [_dashed(a) for a in argv]
     args = build_parser().parse_args(argv)
     return args.func(args)
+
+
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
 
 
 if __name__ == "__main__":

@@ -167,6 +167,10 @@ def from_pretrained(path_or_id, **kwargs):
     names = ("loss", "num_heads", "override_saved", *OPTION_NAMES)
     patch_kwargs = {k: kwargs.pop(k) for k in names if k in kwargs}
     path = os.fspath(path_or_id)
+    written_as_a_path = os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1  # never a hub id
+    if written_as_a_path and not os.path.exists(os.path.expanduser(path)):  # transformers: "Repo id must be ..."
+        raise FileNotFoundError(f"hf_mhce.from_pretrained: no such checkpoint directory: {path!r} (give a "
+                                "directory that save_pretrained wrote, or a hub id)")
     _check_not_an_adapter_parent(path)
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         model = _peft_loader(path, kwargs).from_pretrained(path, **kwargs)

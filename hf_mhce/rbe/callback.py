@@ -131,6 +131,8 @@ class RBECallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
+        if model is not None and not is_patched(model) and (args.eval_strategy != "no" or args.eval_on_start):
+            raise RuntimeError(_UNPATCHED)  # now, not at the first evaluation after eval_steps of training
         self._plot_dir = os.path.join(args.output_dir, "rbe")
         self._attach(model)  # added with trainer.add_callback, or a model_init model
 
@@ -221,10 +223,7 @@ class RBECallback(TrainerCallback):
         stats.all_reduce()  # every process logs the evaluation, so this collective is matched
         if stats.num_tokens == 0:
             if model is not None and not is_patched(model):
-                raise RuntimeError(
-                    "RBECallback needs a model patched with hf_mhce.apply_patch(model, ...): the ranks "
-                    "are counted inside the fused loss, which an unpatched model never calls"
-                )
+                raise RuntimeError(_UNPATCHED)
             logger.warning("RBECallback: evaluation %r counted no token, so there are no RBE metrics: the batches "
                            "had no labels (the eval set has no 'labels' column and the data collator adds none, e.g. "
                            "use DataCollatorForLanguageModeling(tokenizer, mlm=False)), every label was ignored, or "
@@ -268,6 +267,10 @@ class RBECallback(TrainerCallback):
         for handle in self._hooks:
             handle.remove()
         self._hooks, self._model = [], None
+
+
+_UNPATCHED = ("RBECallback needs a model patched with hf_mhce.apply_patch(model, ...): the ranks are counted "
+              "inside the fused loss, which an unpatched model never calls")
 
 
 def _check_arguments(args) -> None:

@@ -177,6 +177,19 @@ def looks_like_a_path(name: str) -> bool:
             or name.lower().endswith(_PATH_SUFFIXES))
 
 
+def hub_lookup_failed(name: str, err: BaseException) -> str | None:
+    """What to say when ``name`` is no local path and loading it as a Hub id failed: a mistyped local path
+    such as ``outputs/hf-mhce-trian`` reads as "owner/name", and transformers' answer (an internet-connection
+    OSError after retries) would not name it.  None where ``name`` exists locally (that error is the real one)."""
+    if os.path.exists(os.path.expanduser(name)):
+        return None
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    parent = name.split("/", 1)[0] if "/" in name else None
+    hint = (f"; {parent!r} is a local directory, so this is likely a mistyped path: "
+            f"no {name!r} exists there" if parent and os.path.isdir(os.path.expanduser(parent)) else "")
+    return f"{name!r} is no local directory, and loading it as a Hub id failed ({first}){hint}"
+
+
 def _data_file_kinds(directory: str) -> dict[str, set[str]]:
     """datasets' loader for each type of data file under ``directory`` -> the extensions found."""
     known = {**_FILE_TYPES, ".arrow": "arrow"}  # what datasets' folder loader reads (datasets 4 runs no scripts)

@@ -140,12 +140,18 @@ def checkpoint_facts(path: str, trust_remote_code: bool = False) -> tuple[dict |
     """patching.config.checkpoint_config of --model, after naming a local path that does not exist.
     An adapter saved without hf_mhce.json gets its base's record, as from_pretrained gives it."""
     from ..patching.config import CONFIG_KEY, adapter_base, checkpoint_config
-    from ..rbe.data import looks_like_a_path, remote_code_option
+    from ..rbe.data import hub_lookup_failed, looks_like_a_path, remote_code_option
 
     if not os.path.exists(os.path.expanduser(path)) and looks_like_a_path(path):
         raise ValueError(f"--model {path}: no such directory")
-    with remote_code_option(TRUST_REMOTE_CODE):
-        saved, config = checkpoint_config(path, trust_remote_code)
+    try:
+        with remote_code_option(TRUST_REMOTE_CODE):
+            saved, config = checkpoint_config(path, trust_remote_code)
+    except OSError as err:
+        said = hub_lookup_failed(path, err)
+        if said is None:
+            raise
+        raise ValueError(f"--model {said}") from err
     if saved is None and adapter_base(path) is not None:
         saved = getattr(config, CONFIG_KEY, None)
     return saved, config

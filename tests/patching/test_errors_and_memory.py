@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import BertConfig, BertForMaskedLM, BertModel, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from hf_mhce.patching import LossConfig, UnsupportedModelError, apply_patch, is_patched
+from hf_mhce.patching import LossConfig, UnsupportedModelError, apply_patch, from_pretrained, is_patched
 
 
 def test_unknown_loss_and_options():
@@ -171,3 +171,10 @@ def test_a_compiled_model_is_refused_with_the_way_round():
     with pytest.raises(TypeError, match=r"torch.compile'd model: patch the model before"):
         apply_patch(torch.compile(model))
     assert not is_patched(model)
+
+
+@pytest.mark.parametrize("name", ["/abs/no/such/ckpt", "./no_such_ckpt", "a/b/c"])
+def test_from_pretrained_names_a_missing_local_checkpoint(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"no such checkpoint directory: {name!r}"):
+        from_pretrained(name)

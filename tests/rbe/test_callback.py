@@ -138,6 +138,12 @@ def test_unpatched_model_raises(tmp_path):
                       callbacks=[RBECallback()])
     with pytest.raises(RuntimeError, match="apply_patch"):
         trainer.evaluate()
+    # with evaluations scheduled, train() says so before its first step (was: at the first evaluation)
+    trainer = Trainer(model=make_model("llama"), args=_args(tmp_path, eval_strategy="steps", eval_steps=50, max_steps=50),
+                      train_dataset=token_dataset(4), eval_dataset=token_dataset(4), callbacks=[RBECallback()])
+    with pytest.raises(RuntimeError, match="apply_patch"):
+        trainer.train()
+    assert trainer.state.global_step == 0
 
 
 def _eval_trainer(out, model=None, callbacks=None):

@@ -426,3 +426,29 @@ def test_token_id_rows_with_position_ids_are_refused():
     ds = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8, 9]], "position_ids": [[0, 1, 0, 1, 2]]})
     with pytest.raises(DataError, match="position_ids column"):
         token_blocks(ds, None)
+
+
+def test_a_mistyped_relative_checkpoint_is_named_not_a_hub_traceback(ckpt, tmp_path, capsys, monkeypatch):
+    """`outputs/hf-mhce-trian` (a typo of the default output directory) reads as a Hub id "owner/name":
+    it ended in transformers' raw OSError traceback about the internet connection."""
+    root, _ = ckpt
+    (tmp_path / "outputs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    msg = _refused("outputs/hf-mhce-trian", "--dataset", root / "c.txt", capsys=capsys)
+    assert "'outputs/hf-mhce-trian' is no local directory, and loading it as a Hub id failed" in msg
+    assert "'outputs' is a local directory, so this is likely a mistyped path" in msg
+
+
+def test_rbe_options_take_either_spelling(monkeypatch):
+    """hf-mhce train spells its options with "_", rbe with "-": rbe's "_" spellings were "unrecognized
+    arguments" under the top-level usage."""
+    import hf_mhce.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_rbe", lambda args: seen.append(args) or 0)
+    assert cli.main(["rbe", "m_1", "--dataset", "d_x.txt", "--block_size", "32", "--batch_size=2", "--max_blocks", "3",
+                     "--text_column", "t_c", "--dataset_config", "c", "--no_progress", "--trust_remote_code"]) == 0
+    args = seen[0]
+    assert (args.model, args.dataset, args.block_size, args.batch_size, args.max_blocks, args.text_column,
+            args.dataset_config) == ("m_1", "d_x.txt", 32, 2, 3, "t_c", "c")
+    assert args.no_progress and args.trust_remote_code

@@ -264,3 +264,16 @@ def test_a_remote_code_checkpoint_trains_with_the_flag(plain, tmp_path, monkeypa
     assert (out / "modeling_toy_remote.py").exists()  # the code is saved with the model, and the card opts in
     assert f'hf_mhce.from_pretrained("{out}", trust_remote_code=True)' in (out / "README.md").read_text()
     assert hf_mhce.from_pretrained(out, trust_remote_code=True).config.hf_mhce["num_heads"] == 4
+
+
+def test_a_mistyped_relative_model_is_named_not_a_hub_traceback(tmp_path, monkeypatch):
+    """--model outputs/hf-mhce-trian reads as a Hub id: a raw OSError traceback, not a usage error."""
+    from hf_mhce.train import job
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "outputs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(job, "build_datasets", lambda *_: pytest.fail("data read before the options were checked"))
+    with pytest.raises(ValueError, match=re.escape("--model 'outputs/hf-mhce-trian' is no local directory, and "
+                                                   "loading it as a Hub id failed")):
+        _run(tmp_path / "o", "--model", "outputs/hf-mhce-trian")
