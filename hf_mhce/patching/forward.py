@@ -22,7 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_utils import slice_logits_to_keep
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers < 5.23 (pyproject allows 5.x): the slice its causal LMs wrote inline
+    def slice_logits_to_keep(hidden, logits_to_keep):
+        return hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep, :]
 
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
 from .callers import check_trainer_loss, custom_compute_loss_warning, trainer_needs_predictions
