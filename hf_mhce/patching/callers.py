@@ -90,7 +90,8 @@ def check_trainer_loss(config) -> None:
         if config.label_smoothing and not (smoother is not None and config.loss == "ce"
                                            and smoother.epsilon == config.label_smoothing):
             lost["label_smoothing"] = config.label_smoothing
-        if smoother is not None and config.ignore_index != -100:
+        default = type(config)()  # the loss options the Trainer's own loss has (ignore_index -100, as it ignores)
+        if smoother is not None and config.ignore_index != default.ignore_index:
             lost["ignore_index"] = config.ignore_index
         if lost:
             if smoother is None:
@@ -101,11 +102,9 @@ def check_trainer_loss(config) -> None:
             raise ValueError(
                 f"hf_mhce: the Trainer computes the loss itself ({how}): it takes the labels out of the inputs and "
                 f"builds the loss from the logits, which would drop this model's {lost} silently. Either {instead}, "
-                f"or patch for the Trainer's loss ({', '.join(f'{k}={LOSS_DEFAULTS[k]!r}' for k in lost)}).")
+                f"or patch for the Trainer's loss ({', '.join(f'{k}={getattr(default, k)!r}' for k in lost)}).")
         return
 
-
-LOSS_DEFAULTS = {"z_loss": 0.0, "label_smoothing": 0.0, "ignore_index": -100}  # -100: what the Trainer ignores
 
 
 def calling_trainer(max_depth: int):
