@@ -149,6 +149,9 @@ def check(variants, archs, tiles=None, only=None) -> list[dict]:
     return rows
 
 
+KERNEL_NAMES = {"forward": "_forward_kernel", "backward": "_dlogits_kernel"}  # launch settings -> kernel
+
+
 def sweep_candidates():
     """Tile candidates for the sweep: the GPU tile sweep's space, for the two kernels that matter."""
     for kernel, bn, bv, bk, warps in itertools.product(("forward", "backward"), (64, 128), (64, 128, 256), (32, 64),
@@ -171,7 +174,7 @@ def main(argv=None):
     if args.sweep:
         for variant, kernel, tile in sweep_candidates():
             rows += [{**row, "variant": f"sweep {kernel}" + (", fp32" if "fp32" in variant else "")} for row in
-                     check({variant: VARIANTS[variant]}, ["sm_90a"], {kernel: tile}, f"_{kernel}_kernel")]
+                     check({variant: VARIANTS[variant]}, ["sm_90a"], {kernel: tile}, KERNEL_NAMES[kernel])]
     keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"# Triton kernels compiled for {', '.join(args.arch)} without a GPU ({stamp}, triton {triton.__version__})",
              "", "Registers and spill bytes from ptxas -v; shared memory from Triton's metadata. No timings.", "",

@@ -7,7 +7,7 @@
 Stages, each timed with the harness of peers.py (median of CUDA events, L2 flushed, inputs rotated):
   1. forward tiles at N=16384 (BLOCK_N x BLOCK_V x BLOCK_K x warps x stages);
   2. forward vocabulary splits at N=4096 (64 token blocks: half an H100 without splits);
-  3. backward tiles at N=16384 (fused dX + dW pass of 16-bit inputs);
+  3. backward (dY slab kernel) tiles at N=16384 (fused dX + dW pass of 16-bit inputs);
   4. backward group width (GROUP_N) for the best backward tiles;
 then the three fastest settings of each stage are timed again (a difference under the spread of
 two timings is noise).  Every setting's output is compared with the default setting's (relative L2
@@ -151,7 +151,7 @@ def run(args, device, dtype) -> list[dict]:
     n_big, n_small = (45, 20) if args.small else (16384, 4096)
     fwd_tiles, bwd_tiles = (SMALL_TILES, SMALL_TILES) if args.small else (FORWARD, BACKWARD)
     tol = tolerance(dtype)
-    kernels = {"forward": triton_forward._forward_kernel, "backward": triton_backward._backward_kernel}
+    kernels = {"forward": triton_forward._forward_kernel, "backward": triton_backward._dlogits_kernel}
     rows = []
 
     def stage(name, kernel, settings, problem, ref, fixed=None) -> dict:

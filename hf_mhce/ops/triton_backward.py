@@ -1,51 +1,58 @@
-"""Triton backward sweep: recompute each logits tile, form the gradient of the mixture loss and
-accumulate dX = dY W and dW = dY^T X with float32 atomics.
+"""Triton backward: slabs of the logits' gradient dY written by a kernel, reduced by matmuls.
 
-Grid: (token blocks x vocabulary blocks, heads) over a range of tokens and a range of vocabulary
-rows, in grouped order: GROUP_N token blocks sweep the vocabulary blocks together, so that the
-programs running at once add into a few dX and dW rows (L2) rather than into all of dX.  dY for a
-tile is alpha * softmax - beta * onehot(target) - gamma (see ``mixture.grad_coefficients``), times
-the softcap derivative.  With a low-rank term (LoRA on the head) dU = dY B and dB = dY^T U are
-accumulated the same way, each only where needed.
+The kernel recomputes a [tokens x vocabulary] range of each head's logits tile by tile (the forward's
+``logits_tile``), forms dY = alpha * softmax - beta * onehot(target) - gamma (see
+``mixture.grad_coefficients``) times the softcap derivative, and stores it in the input dtype (the
+rounding autograd gives dlogits in a 16-bit model) into a slab [H, tokens, columns].  dX = dY W and
+dW = dY^T X are then torch matmuls on the slab (cuBLAS on a GPU, float32 accumulation inside):
+no atomics.  The first GPU run measured the earlier design, which added every tile's dX and dW into
+float32 buffers with atomics, at 14.6x the matmul floor, bound by the atomics (benchmarks/NOTES.md).
 
-Both gradients accumulate in float32, never in 16-bit across tiles.  For float32 inputs dX and dW
-are themselves the accumulators (one launch).  For 16-bit inputs the float32 scratch is bounded by
-``HF_MHCE_WORKSPACE_MB`` (default 512): if a float32 dX fits beside a slice of dW rows, one fused
-pass runs over vocabulary ranges, each range's dW rounded once; otherwise the backward splits
-into a dW pass over vocabulary ranges and a dX pass over token ranges (one extra recompute of the
-logits, in exchange for bounded memory), either pass skipped when its gradient is not needed.
+A gradient summed over one slab's whole span is written once, in its dtype (dW over all tokens, or
+dX over the whole vocabulary, rounded once as eager rounds it); one summed over several slabs adds
+into a float32 accumulator.  ``HF_MHCE_WORKSPACE_MB`` (default 512) bounds slabs, accumulators and
+temporaries together:
+- fused (dX and dW, 16-bit, when a float32 dX fits): slabs over all tokens by vocabulary range, dW
+  of each range written directly, dX added into a float32 dX: 8NDV FLOPs with the forward;
+- otherwise a dW pass by vocabulary range and a dX pass by token range (one more recompute, 10NDV,
+  in exchange for memory), each skipped when its gradient is not needed;
+- float32 inputs: one pass, the outputs are the accumulators.
+dB is summed inside the kernel (float32 atomics on [V], small); the low-rank gradients (LoRA on the
+head) dU = dY B and dB_low = dY^T U are matmuls on the slabs of the first pass, in float32 buffers.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .budget import megabytes_env
-from .triton_tile import dot, dot_settings, launch_config, logits_tile, low_rank_args
+from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args
 
 DEFAULT_WORKSPACE_MB = 512.0
 
 
 def workspace_bytes() -> int:
-    """Bound of the float32 scratch of 16-bit backward passes, from ``HF_MHCE_WORKSPACE_MB``."""
+    """Bound of the backward's slabs, float32 accumulators and temporaries, from ``HF_MHCE_WORKSPACE_MB``."""
     return megabytes_env("HF_MHCE_WORKSPACE_MB", DEFAULT_WORKSPACE_MB)
 
 
 @triton.jit
-def _backward_kernel(
-    X, W, B, U, LB, Labels, Lse, Alpha, Beta, Gamma, DX, DW, DB, DU, DLB,
-    n_start, n_end, v_start, v_end, Dh, R, stride_x, stride_w, stride_u, stride_lb, stride_dx, stride_dw,
+def _dlogits_kernel(
+    X, W, B, U, LB, Labels, Lse, Alpha, Beta, Gamma, DY, DB,
+    n_start, n_end, v_start, v_end, Dh, R, stride_x, stride_w, stride_u, stride_lb, stride_dy_head, stride_dy,
     softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
-    NEED_DX: tl.constexpr, NEED_DW: tl.constexpr, NEED_DB: tl.constexpr,
-    NEED_DU: tl.constexpr, NEED_DLB: tl.constexpr,
+    NEED_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr,
 ):
     head = tl.program_id(1).to(tl.int64)
-    # int64 throughout: a wide GROUP_N times many vocabulary blocks passes 2^31
+    # Grouped order: GROUP_N token blocks sweep the vocabulary blocks together, so that the programs
+    # running at once read a few X rows and W rows (L2).  int64: GROUP_N x vocabulary blocks may pass 2^31.
     n_blocks = tl.cdiv(n_end - n_start, BLOCK_N).to(tl.int64)
     v_blocks = tl.cdiv(v_end - v_start, BLOCK_V).to(tl.int64)
     pid = tl.program_id(0).to(tl.int64)
@@ -60,7 +67,8 @@ def _backward_kernel(
     col_mask = cols < v_end
     labels = tl.load(Labels + rows, mask=row_mask, other=-1)
     row_valid = labels >= 0  # the caller encodes ignored tokens as -1
-    # Tiles of ignored tokens only (padding) contribute nothing: skip their matmuls.
+    dy = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    # Tiles of ignored tokens only (padding) skip their matmul; their slab entries are still written (0).
     if tl.sum(row_valid.to(tl.int32), axis=0) > 0:
         col0 = head * Dh
         y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, head * R, R,
@@ -75,144 +83,213 @@ def _backward_kernel(
         dy -= tl.where(cols[None, :] == labels[:, None], beta[:, None], 0.0)
         if HAS_SOFTCAP:
             dy *= 1.0 - (y / softcap) * (y / softcap)
-        # Ignored rows (padding) contribute nothing, even with NaN logits or a NaN/inf hidden row: dy is
-        # zeroed here and their x / U rows in the dW / dLB dots (0 * NaN would be NaN).
+        # Ignored rows (padding) contribute nothing, even with NaN logits (their hidden rows are zeroed
+        # for dW by the host when they are not finite: 0 * NaN would be NaN).
         dy = tl.where(row_valid[:, None] & col_mask[None, :], dy, 0.0)
         if NEED_DB:
             tl.atomic_add(DB + cols, tl.sum(dy, axis=0), mask=col_mask)
-        dy_in = dy.to(X.dtype.element_ty)  # same rounding as autograd's dlogits in 16-bit models
-        for k0 in range(0, Dh, BLOCK_K):
-            ks = col0 + k0 + tl.arange(0, BLOCK_K)
-            k_mask = (k0 + tl.arange(0, BLOCK_K)) < Dh
-            if NEED_DX:
-                w = tl.load(W + cols[:, None] * stride_w + ks[None, :],
-                            mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-                dx = dot(dy_in, w, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), DOT_IN_ORDER, PRECISION)
-                tl.atomic_add(DX + (rows - n_start)[:, None] * stride_dx + ks[None, :], dx,
-                              mask=row_mask[:, None] & k_mask[None, :])
-            if NEED_DW:
-                x = tl.load(X + rows[:, None] * stride_x + ks[None, :],
-                            mask=row_valid[:, None] & k_mask[None, :], other=0.0)
-                dw = dot(tl.trans(dy_in), x, tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32),
-                         DOT_IN_ORDER, PRECISION)
-                tl.atomic_add(DW + (cols - v_start)[:, None] * stride_dw + ks[None, :], dw,
-                              mask=col_mask[:, None] & k_mask[None, :])
-        # Low-rank term: dU = dY LB into U's layout, dLB = dY^T U summed over heads (shared LB);
-        # both accumulators cover all tokens / all of V (they are small: R columns).
-        for r0 in range(0, R, BLOCK_K):
-            rs = r0 + tl.arange(0, BLOCK_K)
-            r_mask = rs < R
-            if NEED_DU:
-                b = tl.load(LB + cols[:, None] * stride_lb + rs[None, :],
-                            mask=col_mask[:, None] & r_mask[None, :], other=0.0)
-                du = dot(dy_in, b, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), DOT_IN_ORDER, PRECISION)
-                tl.atomic_add(DU + rows[:, None] * stride_u + (head * R + rs)[None, :], du,
-                              mask=row_mask[:, None] & r_mask[None, :])
-            if NEED_DLB:
-                u = tl.load(U + rows[:, None] * stride_u + (head * R + rs)[None, :],
-                            mask=row_valid[:, None] & r_mask[None, :], other=0.0)
-                dlb = dot(tl.trans(dy_in), u, tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32), DOT_IN_ORDER, PRECISION)
-                tl.atomic_add(DLB + cols[:, None] * stride_lb + rs[None, :], dlb,
-                              mask=col_mask[:, None] & r_mask[None, :])
+    out = DY + head * stride_dy_head + (rows - n_start)[:, None] * stride_dy + (cols - v_start)[None, :]
+    tl.store(out, dy.to(DY.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs, low_rank=None):
-    """Triton counterpart of ``torch_sweep.backward`` (labels: -1 marks ignored tokens).
-
-    The low-rank gradients (needs[3:], U and B of ``low_rank``) accumulate in float32 buffers over
-    all tokens / all of V, outside the workspace bound: they have R columns, not D.
-    """
+    """Triton counterpart of ``torch_sweep.backward`` (labels: -1 marks ignored tokens)."""
     n, d = x.shape
     v = w.shape[0]
     need_dx, need_dw, need_db = needs[:3]
     need_du, need_dlb = needs[3:] if low_rank is not None else (False, False)
-    dev = x.device
-    cfg = launch_config("backward", x.dtype, d // num_heads)
-    f32 = {"dtype": torch.float32, "device": dev}
-    db = torch.zeros(v, **f32) if need_db else None
-    du = torch.zeros(low_rank[0].shape, **f32) if need_du else None
-    dlb = torch.zeros(low_rank[1].shape, **f32) if need_dlb else None
-    launch = _Launcher(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, cfg, low_rank, db, du, dlb)
-    side = (need_db, need_du, need_dlb)
-
-    if x.dtype == torch.float32:  # outputs are float32 already: they are the accumulators
+    f32 = {"dtype": torch.float32, "device": x.device}
+    slabs = _Slabs(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, low_rank,
+                   db=torch.zeros(v, **f32) if need_db else None,
+                   du=torch.zeros(low_rank[0].shape, **f32) if need_du else None,
+                   dlb=torch.zeros(low_rank[1].shape, **f32) if need_dlb else None, sanitize=need_dw or need_dlb)
+    budget = workspace_bytes()
+    if x.dtype == torch.float32:  # the outputs are float32 already: they are the accumulators
         dx = torch.zeros_like(x) if need_dx else None
         dw = torch.zeros_like(w) if need_dw else None
-        launch((0, n), (0, v), dx, dw, *side)
-        return _outputs(dx, dw, db, du, dlb, bias, low_rank)
-
-    budget = workspace_bytes()
-    row_bytes = d * 4
+        _reduction_pass(slabs, dw, "vocab", budget, True, dx_acc=dx)
+        return slabs.outputs(dx, dw)
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty_like(w) if need_dw else None
-    if need_dx and need_dw and n * row_bytes + cfg["BLOCK_V"] * row_bytes <= budget:
-        # fused: float32 dX for all tokens beside dW by vocabulary range, one pass
+    dx_bytes = n * d * 4
+    if need_dx and need_dw and dx_bytes + 2 * slabs.entry_bytes * n * slabs.cfg["BLOCK_V"] <= budget:
         dx32 = torch.zeros(n, d, **f32)
-        for v0, v1, ws in _ranges(v, (budget - n * row_bytes) // row_bytes, cfg["BLOCK_V"], d, dev, True):
-            launch((0, n), (v0, v1), dx32, ws, *side)
-            dw[v0:v1] = ws[: v1 - v0]
+        _reduction_pass(slabs, dw, "vocab", budget - dx_bytes, True, dx_acc=dx32)
         dx.copy_(dx32)
-        return _outputs(dx, dw, db, du, dlb, bias, low_rank)
-    # Bounded memory: a dW pass over vocabulary ranges and/or a dX pass over token ranges (one range when
-    # dX fits), each scratch within the budget.  dB, dU, dLB cover all tokens and all of V, so they go
-    # with whichever pass runs first, whatever else is needed (a dU left to a skipped pass would be 0).
-    if need_dw:
-        for v0, v1, ws in _ranges(v, budget // row_bytes, cfg["BLOCK_V"], d, dev, True):
-            launch((0, n), (v0, v1), None, ws, *side)
-            dw[v0:v1] = ws[: v1 - v0]
-        ws = None  # freed before the dX pass allocates its own: one scratch within the budget at a time
-        side = (False, False, False)
+        return slabs.outputs(dx, dw)
+    side = True  # dB, dU, dB_low cover all tokens and all of V: they go with the first pass, whichever
+    if need_dw or not need_dx:
+        _reduction_pass(slabs, dw, "vocab", budget, side)
+        side = False
     if need_dx:
-        for n0, n1, ws in _ranges(n, budget // row_bytes, cfg["BLOCK_N"], d, dev, True):
-            launch((n0, n1), (0, v), ws, None, *side)
-            dx[n0:n1] = ws[: n1 - n0]
-    elif any(side):  # only dB / dU / dLB: no scratch at all
-        launch((0, n), (0, v), None, None, *side)
-    return _outputs(dx, dw, db, du, dlb, bias, low_rank)
+        _reduction_pass(slabs, dx, "tokens", budget, side)
+    return slabs.outputs(dx, dw)
 
 
-def _outputs(dx, dw, db, du, dlb, bias, low_rank):
-    db = db.to(bias.dtype) if db is not None else None
-    if low_rank is None:
-        return dx, dw, db
-    return (dx, dw, db, du.to(low_rank[0].dtype) if du is not None else None,
-            dlb.to(low_rank[1].dtype) if dlb is not None else None)
+def _fit(total: int, block: int, unit_bytes: int, budget: int) -> int:
+    """The largest multiple of ``block`` (at least one block) of units of ``unit_bytes`` within ``budget``,
+    at most ``total``."""
+    return min(total, max(block, budget // max(unit_bytes, 1) // block * block))
 
 
-def _ranges(total, rows_fit, multiple, d, device, need_workspace):
-    """(start, end, zeroed float32 workspace [rows, d]) covering [0, total) in ranges that fit."""
-    rows = max(multiple, rows_fit // multiple * multiple)
-    ws = torch.empty(min(total, rows), d, dtype=torch.float32, device=device) if need_workspace else None
-    for start in range(0, total, rows):
-        if ws is not None:
-            ws.zero_()
-        yield start, min(total, start + rows), ws
+def _reduction_pass(slabs, out, rows_axis, budget, side, dx_acc=None):
+    """``out`` = dW (rows_axis "vocab": rows are vocabulary entries, summed over tokens) or dX ("tokens"),
+    or None (side gradients only), from slabs of at most ``budget`` / 2 bytes.  ``dx_acc`` (vocab only):
+    a float32 [N, D] into which the same slabs' dX products are added (the fused pass).
+
+    A slab spanning the whole sum gives ``out`` rows directly; otherwise each range of rows is summed in
+    a float32 accumulator (at most ``budget`` / 2), or in ``out`` itself when it is float32.
+    """
+    n, v, d = slabs.n, slabs.v, slabs.d
+    blocks = (slabs.cfg["BLOCK_N"], slabs.cfg["BLOCK_V"])
+    (total_rows, block_rows), (total_sum, block_sum) = ((v, blocks[1]), (n, blocks[0])) if rows_axis == "vocab" \
+        else ((n, blocks[0]), (v, blocks[1]))
+    if total_rows == 0 or total_sum == 0:  # no tokens: zero gradients
+        if out is not None:
+            out.zero_()
+        return
+    entry = slabs.entry_bytes
+    if block_rows * total_sum * entry <= budget // 2:
+        rows, span = _fit(total_rows, block_rows, total_sum * entry, budget // 2), total_sum
+        temp = budget // 2
+    else:
+        # rows: a float32 accumulator within budget / 2, and room for slabs of one block within budget / 4
+        rows = _fit(total_rows, block_rows, max(2 * d * 4, 4 * block_sum * entry), budget)
+        span = _fit(total_sum, block_sum, rows * entry, budget // 4)
+        temp = budget // 4
+    accumulate = span < total_sum
+    acc = None
+    if out is not None and accumulate and out.dtype != torch.float32:
+        acc = torch.zeros(rows, d, dtype=torch.float32, device=out.device)
+    for r0 in range(0, total_rows, rows):
+        r1 = min(total_rows, r0 + rows)
+        target = None if out is None else (acc[: r1 - r0] if acc is not None else out[r0:r1])
+        if acc is not None:
+            target.zero_()
+        for s0 in range(0, total_sum, span):
+            s1 = min(total_sum, s0 + span)
+            n_range, v_range = ((s0, s1), (r0, r1)) if rows_axis == "vocab" else ((r0, r1), (s0, s1))
+            slab = slabs.compute(n_range, v_range, with_db=side)
+            if target is not None:
+                slabs.product(rows_axis, slab, n_range, v_range, target, accumulate, temp)
+            if dx_acc is not None:
+                slabs.product("tokens", slab, n_range, v_range, dx_acc[n_range[0]:n_range[1]], True, temp)
+            if side:
+                slabs.side_products(slab, n_range, v_range, temp)
+        if acc is not None:
+            out[r0:r1] = target
 
 
-class _Launcher:
-    """Launches the kernel over a token range x a vocabulary range into the given accumulators
-    (dX, dW relative to the ranges; dB, dU, dLB over all tokens / all of V)."""
+class _Slabs:
+    """Computes dY slabs [H, tokens, columns] (one buffer, reused) and their matmuls into the gradients."""
 
-    def __init__(self, x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, cfg, low_rank, db, du, dlb):
+    def __init__(self, x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, low_rank, db, du, dlb,
+                 sanitize):
+        self.x, self.w, self.bias, self.labels, self.low_rank = x, w, bias, labels, low_rank
+        self.n, self.d = x.shape
+        self.v, self.h, self.dh = w.shape[0], num_heads, x.shape[1] // num_heads
+        self.cfg = launch_config("backward", x.dtype)
+        self.entry_bytes = num_heads * x.element_size()  # one (token, column) entry of a slab, all heads
+        self.db, self.du, self.dlb = db, du, dlb
         u, lb, self.rank, self.stride_u, self.stride_lb = low_rank_args(low_rank, lse)
         self.args = (x, w, bias if bias is not None else lse, u, lb, labels, lse, alpha, beta, gamma)
-        self.x, self.w, self.cfg, self.side = x, w, cfg, (db, du, dlb)
-        self.num_heads, self.softcap, self.has_bias = num_heads, softcap, bias is not None
-        self.has_low_rank = low_rank is not None
+        self.softcap = softcap
+        self.buffer = None
+        # dW = dY^T X and dB_low = dY^T U take ignored rows' hidden / U rows times 0: zeroed copies where such
+        # a row is not finite (0 * NaN = NaN), as the torch backend does; one check, no copy otherwise.
+        self.x_for_dw, self.u_for_dlb = x, low_rank[0] if low_rank is not None else None
+        if sanitize:
+            self.x_for_dw = _zero_ignored_nonfinite(x, labels)
+            if low_rank is not None:
+                self.u_for_dlb = _zero_ignored_nonfinite(low_rank[0], labels)
 
-    def __call__(self, token_range, vocab_range, dx_acc, dw_acc, with_db, with_du, with_dlb):
-        (n0, n1), (v0, v1) = token_range, vocab_range
-        cfg, d = self.cfg, self.x.shape[1]
+    def compute(self, n_range, v_range, with_db):
+        """The slab of tokens ``n_range`` x vocabulary ``v_range`` (valid until the next call)."""
+        (n0, n1), (v0, v1) = n_range, v_range
+        m, c = n1 - n0, v1 - v0
+        if self.buffer is None or self.buffer.numel() < self.h * m * c:  # the first slab of a pass is the largest
+            self.buffer = None
+            self.buffer = torch.empty(self.h * m * c, dtype=self.x.dtype, device=self.x.device)
+        slab = self.buffer[: self.h * m * c].view(self.h, m, c)
+        cfg = self.cfg
         dummy = self.args[6]
-        db, du, dlb = (acc if use else dummy for acc, use in zip(self.side, (with_db, with_du, with_dlb)))
-        grid = (triton.cdiv(n1 - n0, cfg["BLOCK_N"]) * triton.cdiv(v1 - v0, cfg["BLOCK_V"]), self.num_heads)
-        _backward_kernel[grid](
-            *self.args,
-            dx_acc if dx_acc is not None else dummy, dw_acc if dw_acc is not None else dummy, db, du, dlb,
-            n0, n1, v0, v1, d // self.num_heads, self.rank, self.x.stride(0), self.w.stride(0),
-            self.stride_u, self.stride_lb, d, d,
-            float(self.softcap) if self.softcap is not None else 1.0,
-            NUM_HEADS=self.num_heads, HAS_BIAS=self.has_bias, HAS_SOFTCAP=self.softcap is not None,
-            HAS_LOW_RANK=self.has_low_rank, NEED_DX=dx_acc is not None, NEED_DW=dw_acc is not None,
-            NEED_DB=with_db, NEED_DU=with_du, NEED_DLB=with_dlb, **cfg, **dot_settings(self.x.dtype),
+        db = self.db if with_db and self.db is not None else dummy
+        grid = (triton.cdiv(m, cfg["BLOCK_N"]) * triton.cdiv(c, cfg["BLOCK_V"]), self.h)
+        _dlogits_kernel[grid](
+            *self.args, slab, db, n0, n1, v0, v1, self.dh, self.rank, self.x.stride(0), self.w.stride(0),
+            self.stride_u, self.stride_lb, m * c, c, float(self.softcap) if self.softcap is not None else 1.0,
+            NUM_HEADS=self.h, HAS_BIAS=self.bias is not None, HAS_SOFTCAP=self.softcap is not None,
+            HAS_LOW_RANK=self.low_rank is not None, NEED_DB=with_db and self.db is not None,
+            **cfg, **dot_settings(self.x.dtype),
         )
+        return slab
+
+    def product(self, rows_axis, slab, n_range, v_range, out, accumulate, temp_bytes):
+        """Per head: dW rows (``rows_axis`` "vocab") = dY^T X, or dX rows ("tokens") = dY W, into ``out``."""
+        (n0, n1), (v0, v1) = n_range, v_range
+        for h in range(self.h):
+            cols = slice(h * self.dh, (h + 1) * self.dh)
+            if rows_axis == "vocab":
+                _matmul_into(out[:, cols], slab[h].T, self.x_for_dw[n0:n1, cols], accumulate, temp_bytes)
+            else:
+                _matmul_into(out[:, cols], slab[h], self.w[v0:v1, cols], accumulate, temp_bytes)
+
+    def side_products(self, slab, n_range, v_range, temp_bytes):
+        """dU [N, H, R] += dY_h B and dB_low [V, R] += sum_h dY_h^T U_h (float32 buffers)."""
+        (n0, n1), (v0, v1) = n_range, v_range
+        for h in range(self.h):
+            if self.du is not None:
+                _matmul_into(self.du[n0:n1, h], slab[h], self.low_rank[1][v0:v1], True, temp_bytes)
+            if self.dlb is not None:
+                _matmul_into(self.dlb[v0:v1], slab[h].T, self.u_for_dlb[n0:n1, h], True, temp_bytes)
+
+    def outputs(self, dx, dw):
+        db = self.db.to(self.bias.dtype) if self.db is not None else None
+        if self.low_rank is None:
+            return dx, dw, db
+        return (dx, dw, db, self.du.to(self.low_rank[0].dtype) if self.du is not None else None,
+                self.dlb.to(self.low_rank[1].dtype) if self.dlb is not None else None)
+
+
+def _zero_ignored_nonfinite(t, labels):
+    """``t`` [N, ...] with the rows of ignored tokens zeroed if one of them is not finite; ``t`` itself
+    otherwise (one reduction and one host sync)."""
+    rows = t.flatten(1)
+    bad_ignored = ~torch.isfinite(torch.linalg.vector_norm(rows, float("inf"), dim=1)) & (labels < 0)
+    if not bool(bad_ignored.any()):
+        return t
+    return t.masked_fill((labels < 0).view(-1, *([1] * (t.dim() - 1))), 0)
+
+
+def _matmul_into(out, a, b, accumulate, temp_bytes):
+    """out = a @ b (rounded once into out's dtype), or out += a @ b with out float32 and the products of
+    16-bit a, b summed in float32; temporaries of at most about ``temp_bytes`` (on a GPU with
+    mm(out_dtype=); the upcast copies of the fallback, CPU included, are outside that bound)."""
+    if not accumulate:
+        if out.is_contiguous() and out.dtype == a.dtype:
+            torch.mm(a, b, out=out)
+        else:
+            out.copy_(a @ b)
+        return
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+        return
+    rows = max(1, temp_bytes // (4 * max(out.shape[1], 1) + 4 * a.shape[1]))
+    b32 = None
+    for r0 in range(0, a.shape[0], rows):
+        part = a[r0:r0 + rows]
+        if a.is_cuda and _cuda_mm_out_dtype():
+            out[r0:r0 + rows].add_(torch.mm(part, b, out_dtype=torch.float32))
+        else:  # products of 16-bit values are exact in float32: upcast copies (CPU, or torch before mm(out_dtype=))
+            b32 = b.float() if b32 is None else b32
+            out[r0:r0 + rows].addmm_(part.float(), b32)
+
+
+@functools.cache
+def _cuda_mm_out_dtype() -> bool:
+    """Whether this torch has mm(out_dtype=float32) for 16-bit CUDA operands (cuBLAS's float32 result)."""
+    a = torch.zeros(1, 1, dtype=torch.bfloat16, device="cuda")
+    try:
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False

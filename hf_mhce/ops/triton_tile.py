@@ -46,37 +46,42 @@ def dot_settings(dtype: torch.dtype) -> dict:
     }
 
 
-# Launch settings per kernel ("forward", "backward", "ranks").  GPU values are starting points
-# until the sweep of benchmarks/tile_sweep.py picks them per device (issue P6).  SPLITS (forward):
-# vocabulary splits per token block, None = enough programs to fill the device twice.  GROUP_N
-# (backward): token blocks per group in the tile order, so that the programs running at once share
-# a few dX rows and dW rows in L2 instead of streaming all of dX through DRAM atomics.  "ranks"
-# compares its tiles' logits with the target logits formed with "forward"'s tiles: keep BLOCK_K
-# and num_warps equal so that both accumulate in the same order (exact ties; see target_logits_tile).
+# Launch settings per kernel ("forward", "backward", "ranks").  SPLITS (forward): vocabulary splits per
+# token block, None = enough programs to fill the device twice.  GROUP_N (backward): token blocks per
+# group in the tile order, so that the programs running at once read a few X and W rows (L2).  "ranks"
+# compares its tiles' logits with the target logits formed with "forward"'s tiles: keep BLOCK_K and
+# num_warps equal so that both accumulate in the same order (exact ties; see target_logits_tile).
 _GPU_DEFAULTS = {
-    "forward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 64, "SPLITS": None},
-    # BLOCK_K 32: ptxas spills 752 bytes per thread at 64 and none at 32 (sm_90a, bf16; this and the
-    # ranks' BLOCK_V from benchmarks/results/compile-check-2026-11-22.md); GPU timings still owed.
+    # the H100 sweep's fastest forward (29.4 ms against 50.7 for 64 x 128 x 64, 3 stages, at Llama-3-8B's
+    # head and N = 16384; tile_sweep-NVIDIA-H100-80GB-HBM3-2026-11-24-budget-s_240.md)
+    "forward": {"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "SPLITS": None, "num_stages": 4},
+    # the dY slab kernel: the largest tile that ptxas compiles without spills for sm_90a (compile_check.py
+    # --sweep); GPU timings owed (tile_sweep.py)
     "backward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 32, "GROUP_N": 8},
     "ranks": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 64},  # BLOCK_V 128 spills 956 bytes at H=4, 64: 84
 }
 # float32 inputs take exact FMA products (no tensor cores), whose operands sit in registers: at BLOCK_K
-# 32-64 ptxas spills up to 1.5 KB per thread (backward, forward on sm_80); at 16 none, in every kernel
-# (compile-check-2026-11-23.md).  Same BLOCK_K for the three kernels, as the ranks' ties require.
-_GPU_FLOAT32 = {"BLOCK_K": 16}
+# 32-64 ptxas spills up to 1.5 KB per thread (backward, forward on sm_80); at 16 with 64 x 128 tiles none,
+# in every kernel (compile-check-2026-11-23.md).  Same BLOCK_K for the three kernels, as the ranks' ties require.
+_GPU_FLOAT32 = {
+    "forward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 16, "num_stages": 3},
+    "backward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 16},
+    "ranks": {"BLOCK_K": 16},
+}
 _INTERPRETER = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "num_warps": 1, "SPLITS": 1, "GROUP_N": 2}
 _overrides: dict[str, dict] = {}
 
 
-def launch_config(kernel: str, dtype: torch.dtype, dh: int) -> dict:
+def launch_config(kernel: str, dtype: torch.dtype) -> dict:
     """Tile sizes and launch options of ``kernel``.  Small under the interpreter (speed of the CPU
     tests); the GPU defaults otherwise; either replaced key by key inside ``override_tiles``."""
     if interpreting():
         cfg = {k: v for k, v in _INTERPRETER.items() if k in _GPU_DEFAULTS[kernel] or k == "num_warps"}
     else:
-        cfg = {**_GPU_DEFAULTS[kernel], "num_warps": 8 if dh >= 64 else 4}
+        # 8 warps whatever the head width: at 4, the forward's 128 x 256 tiles spill 6 KB per thread
+        cfg = {**_GPU_DEFAULTS[kernel], "num_warps": 8}
         if dtype == torch.float32:
-            cfg.update(_GPU_FLOAT32)
+            cfg.update(_GPU_FLOAT32[kernel])
     cfg.update(_overrides.get(kernel, {}))
     return cfg
 

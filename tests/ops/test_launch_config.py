@@ -91,14 +91,13 @@ def test_other_tile_shapes(kernel, settings):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dh", [16, 128])
-def test_gpu_settings_keep_rank_ties(monkeypatch, dtype, dh):
+def test_gpu_settings_keep_rank_ties(monkeypatch, dtype):
     """On a GPU the rank kernel must accumulate its tiles like the forward's target tile (same BLOCK_K
     and num_warps) for exact ties, for every dtype; float32 (FMA products, operands in registers)
     takes BLOCK_K 16, where no kernel spills (benchmarks/results/compile-check-2026-11-23.md)."""
     _, tile = _triton()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    fwd, ranks, bwd = (tile.launch_config(k, dtype, dh) for k in ("forward", "ranks", "backward"))
+    fwd, ranks, bwd = (tile.launch_config(k, dtype) for k in ("forward", "ranks", "backward"))
     assert (ranks["BLOCK_K"], ranks["num_warps"]) == (fwd["BLOCK_K"], fwd["num_warps"])
     if dtype == torch.float32:
         assert fwd["BLOCK_K"] == bwd["BLOCK_K"] == 16
@@ -108,13 +107,13 @@ def test_gpu_settings_keep_rank_ties(monkeypatch, dtype, dh):
 
 def test_override_is_scoped_and_validated():
     _, tile = _triton()
-    before = tile.launch_config("backward", torch.float32, 16)
+    before = tile.launch_config("backward", torch.float32)
     with tile.override_tiles("backward", GROUP_N=5):
         with tile.override_tiles("backward", BLOCK_V=64):
-            inner = tile.launch_config("backward", torch.float32, 16)
+            inner = tile.launch_config("backward", torch.float32)
             assert (inner["GROUP_N"], inner["BLOCK_V"]) == (5, 64)
-        assert tile.launch_config("backward", torch.float32, 16)["BLOCK_V"] == before["BLOCK_V"]
-    assert tile.launch_config("backward", torch.float32, 16) == before
+        assert tile.launch_config("backward", torch.float32)["BLOCK_V"] == before["BLOCK_V"]
+    assert tile.launch_config("backward", torch.float32) == before
     with pytest.raises(ValueError, match="unknown setting.*SPLITS"):
         with tile.override_tiles("backward", SPLITS=2):
             pass
