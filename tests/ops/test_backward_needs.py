@@ -26,7 +26,9 @@ SUBSETS = [m for m in itertools.product((False, True), repeat=5) if any(m)]
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="no triton"))]
 SHAPES = {"N17-D10-H2": (17, 10, 37, 2, 3), "N1-D7-H1-R17": (1, 7, 37, 1, 17)}  # N, D, V, heads, R
 # "0.001" MB: about 1 KiB of float32 scratch, under one 32-row block of D = 10 (40-byte rows)
-CONFIGS = {"fp32": (torch.float32, None), "fp16": (torch.float16, None), "bf16-split": (torch.bfloat16, "0.001")}
+# float32 under "0.001" MB: slabs of 16 tokens, dW and dX added into the outputs across slabs
+CONFIGS = {"fp32": (torch.float32, None), "fp32-ranges": (torch.float32, "0.001"), "fp16": (torch.float16, None),
+           "bf16-split": (torch.bfloat16, "0.001")}
 LABEL_SMOOTHING, Z_LOSS, SOFTCAP = 0.1, 1e-3, 5.0
 
 
