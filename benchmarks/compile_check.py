@@ -34,7 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from hf_mhce.ops import triton_backward, triton_forward  # noqa: E402
-from hf_mhce.ops.triton_tile import override_tiles  # noqa: E402
+from hf_mhce.ops.triton_tile import _HOPPER_16BIT, override_tiles  # noqa: E402
 
 TARGETS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}  # capability, shared memory per block (bytes)
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
@@ -150,6 +150,9 @@ def check(variants, archs, tiles=None, only=None) -> list[dict]:
 
 
 KERNEL_NAMES = {"forward": "_forward_kernel", "backward": "_dlogits_kernel"}  # launch settings -> kernel
+# launch settings -> the kernels (as rows name them) that take them
+SETTINGS_USERS = {"forward": {"forward_kernel", "target_kernel"}, "backward": {"dlogits_kernel"},
+                  "ranks": {"mixture_rank_kernel"}}
 
 
 def sweep_candidates():
@@ -171,6 +174,11 @@ def main(argv=None):
     stamp = datetime.date.today().isoformat()
     record = Record(p, args, f"compile-check-{stamp}")
     rows = check({k: VARIANTS[k] for k in args.variants}, args.arch)
+    if "sm_90a" in args.arch:  # Hopper's own 16-bit tiles (launch_config picks them on an sm_90 device only)
+        for name in (k for k in args.variants if VARIANTS[k][0] != torch.float32):
+            rows += [{**r, "variant": f"{name}, Hopper tiles"} for r in
+                     check({name: VARIANTS[name]}, ["sm_90a"], _HOPPER_16BIT)
+                     if any(r["kernel"] in SETTINGS_USERS[k] for k in _HOPPER_16BIT)]
     if args.sweep:
         for variant, kernel, tile in sweep_candidates():
             rows += [{**row, "variant": f"sweep {kernel}" + (", fp32" if "fp32" in variant else "")} for row in

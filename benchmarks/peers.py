@@ -190,7 +190,6 @@ def matmul_rate(n, d, v, device, dtype, timer) -> float:
         b = torch.randn(v, k, device=device, dtype=dtype)
         ms = timer(lambda: a @ b.T)
         rates.append(2 * n * k * v / (ms / 1000))
-        del a, b
     return max(rates)
 
 

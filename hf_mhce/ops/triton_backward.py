@@ -188,7 +188,7 @@ class _Slabs:
         self.x, self.w, self.bias, self.labels, self.low_rank = x, w, bias, labels, low_rank
         self.n, self.d = x.shape
         self.v, self.h, self.dh = w.shape[0], num_heads, x.shape[1] // num_heads
-        self.cfg = launch_config("backward", x.dtype)
+        self.cfg = launch_config("backward", x.dtype, x.device)
         self.entry_bytes = num_heads * x.element_size()  # one (token, column) entry of a slab, all heads
         self.db, self.du, self.dlb = db, du, dlb
         u, lb, self.rank, self.stride_u, self.stride_lb = low_rank_args(low_rank, lse)

@@ -108,7 +108,7 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     n, d = x.shape
     v = w.shape[0]
     dh = d // num_heads
-    cfg = launch_config("forward", x.dtype)
+    cfg = launch_config("forward", x.dtype, x.device)
     requested = cfg.pop("SPLITS")  # host side: the grid, not a kernel argument
     n_blocks, v_blocks = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(v, cfg["BLOCK_V"])
     splits = vocab_splits(n_blocks * num_heads, v_blocks, x.device, requested)

@@ -65,7 +65,7 @@ def mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap, low_rank=
     n, d = x.shape
     dh = d // num_heads
     ranks = torch.zeros(n, dtype=torch.int64, device=x.device)
-    cfg = launch_config("ranks", x.dtype)
+    cfg = launch_config("ranks", x.dtype, x.device)
     u, lb, rank, stride_u, stride_lb = low_rank_args(low_rank, x)
     _mixture_rank_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, w, bias if bias is not None else x, u, lb, labels, lse, target, ranks,

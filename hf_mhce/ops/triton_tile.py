@@ -52,9 +52,7 @@ def dot_settings(dtype: torch.dtype) -> dict:
 # compares its tiles' logits with the target logits formed with "forward"'s tiles: keep BLOCK_K and
 # num_warps equal so that both accumulate in the same order (exact ties; see target_logits_tile).
 _GPU_DEFAULTS = {
-    # the H100 sweep's fastest forward (29.4 ms against 50.7 for 64 x 128 x 64, 3 stages, at Llama-3-8B's
-    # head and N = 16384; tile_sweep-NVIDIA-H100-80GB-HBM3-2026-11-24-budget-s_240.md)
-    "forward": {"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "SPLITS": None, "num_stages": 4},
+    "forward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 64, "SPLITS": None},
     # the dY slab kernel: the largest tile that ptxas compiles without spills for sm_90a (compile_check.py
     # --sweep); GPU timings owed (tile_sweep.py)
     "backward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 32, "GROUP_N": 8},
@@ -68,22 +66,34 @@ _GPU_FLOAT32 = {
     "backward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 16},
     "ranks": {"BLOCK_K": 16},
 }
+# Hopper (sm_90), 16-bit: the H100 sweep's fastest forward, 29.4 ms against 50.7 for the default tiles at
+# Llama-3-8B's head and N = 16384 (tile_sweep-NVIDIA-H100-80GB-HBM3-2026-11-24-budget-s_240.md, Triton 3.6).
+# Hopper only: for sm_80 ptxas spills 10 KB per thread at these tiles (compile-check-2026-11-24-sweep.md).
+# BLOCK_K and num_warps stay those of the ranks kernel.
+_HOPPER_16BIT = {"forward": {"BLOCK_N": 128, "BLOCK_V": 256, "num_stages": 4}}
 _INTERPRETER = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "num_warps": 1, "SPLITS": 1, "GROUP_N": 2}
 _overrides: dict[str, dict] = {}
 
 
-def launch_config(kernel: str, dtype: torch.dtype) -> dict:
-    """Tile sizes and launch options of ``kernel``.  Small under the interpreter (speed of the CPU
-    tests); the GPU defaults otherwise; either replaced key by key inside ``override_tiles``."""
+def launch_config(kernel: str, dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """Tile sizes and launch options of ``kernel`` for tensors of ``dtype`` on ``device``.  Small under
+    the interpreter (speed of the CPU tests); the GPU defaults otherwise (Hopper's where it has its
+    own); either replaced key by key inside ``override_tiles``."""
     if interpreting():
         cfg = {k: v for k, v in _INTERPRETER.items() if k in _GPU_DEFAULTS[kernel] or k == "num_warps"}
     else:
-        # 8 warps whatever the head width: at 4, the forward's 128 x 256 tiles spill 6 KB per thread
+        # 8 warps whatever the head width: at 4, 128 x 256 tiles spill 6 KB per thread (H100 sweep)
         cfg = {**_GPU_DEFAULTS[kernel], "num_warps": 8}
         if dtype == torch.float32:
             cfg.update(_GPU_FLOAT32[kernel])
+        elif device is not None and device.type == "cuda" and _capability(device)[0] == 9:
+            cfg.update(_HOPPER_16BIT.get(kernel, {}))
     cfg.update(_overrides.get(kernel, {}))
     return cfg
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @contextlib.contextmanager

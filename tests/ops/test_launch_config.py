@@ -91,18 +91,26 @@ def test_other_tile_shapes(kernel, settings):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gpu_settings_keep_rank_ties(monkeypatch, dtype):
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0)], ids=["hopper", "ampere"])
+def test_gpu_settings_keep_rank_ties(monkeypatch, dtype, capability):
     """On a GPU the rank kernel must accumulate its tiles like the forward's target tile (same BLOCK_K
-    and num_warps) for exact ties, for every dtype; float32 (FMA products, operands in registers)
-    takes BLOCK_K 16, where no kernel spills (benchmarks/results/compile-check-2026-11-23.md)."""
+    and num_warps) for exact ties, for every dtype and architecture; float32 (FMA products, operands in
+    registers) takes BLOCK_K 16, where no kernel spills (benchmarks/results/compile-check-2026-11-23.md).
+    Hopper's 16-bit forward takes the H100 sweep's 128 x 256 tiles; elsewhere (sm_80 spills 10 KB per
+    thread at those) the default 64 x 128."""
     _, tile = _triton()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    fwd, ranks, bwd = (tile.launch_config(k, dtype) for k in ("forward", "ranks", "backward"))
+    monkeypatch.setattr(tile, "_capability", lambda device: capability)
+    cuda = torch.device("cuda", 0)
+    fwd, ranks, bwd = (tile.launch_config(k, dtype, cuda) for k in ("forward", "ranks", "backward"))
     assert (ranks["BLOCK_K"], ranks["num_warps"]) == (fwd["BLOCK_K"], fwd["num_warps"])
     if dtype == torch.float32:
         assert fwd["BLOCK_K"] == bwd["BLOCK_K"] == 16
+        assert (fwd["BLOCK_N"], fwd["BLOCK_V"]) == (64, 128)
     else:
         assert (fwd["BLOCK_K"], bwd["BLOCK_K"]) == (64, 32)
+        assert (fwd["BLOCK_N"], fwd["BLOCK_V"]) == ((128, 256) if capability == (9, 0) else (64, 128))
+    assert tile.launch_config("forward", dtype) == tile.launch_config("forward", dtype, torch.device("cpu"))
 
 
 def test_override_is_scoped_and_validated():
