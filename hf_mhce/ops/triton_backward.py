@@ -274,14 +274,15 @@ def _matmul_into(out, a, b, accumulate, temp_bytes):
     if a.dtype == out.dtype:
         out.addmm_(a, b)
         return
-    rows = max(1, temp_bytes // (4 * max(out.shape[1], 1) + 4 * a.shape[1]))
-    b32 = None
+    native = a.is_cuda and _cuda_mm_out_dtype()
+    # per row of a: the float32 product row, and without mm(out_dtype=) the upcast row of a
+    rows = max(1, temp_bytes // (4 * max(out.shape[1], 1) + (0 if native else 4 * a.shape[1])))
+    b32 = None if native else b.float()  # products of 16-bit values are exact in float32
     for r0 in range(0, a.shape[0], rows):
         part = a[r0:r0 + rows]
-        if a.is_cuda and _cuda_mm_out_dtype():
+        if native:
             out[r0:r0 + rows].add_(torch.mm(part, b, out_dtype=torch.float32))
-        else:  # products of 16-bit values are exact in float32: upcast copies (CPU, or torch before mm(out_dtype=))
-            b32 = b.float() if b32 is None else b32
+        else:  # CPU, or torch before mm(out_dtype=)
             out[r0:r0 + rows].addmm_(part.float(), b32)
 
 
