@@ -5,10 +5,11 @@
     TRITON_INTERPRET=1 python benchmarks/tile_sweep.py --device cpu --small    # checks the script itself
 
 Stages, each timed with the harness of peers.py (median of CUDA events, L2 flushed, inputs rotated):
-  1. forward tiles at N=16384 (BLOCK_N x BLOCK_V x BLOCK_K x warps x stages);
-  2. forward vocabulary splits at N=4096 (64 token blocks: half an H100 without splits);
-  3. backward (dY slab kernel) tiles at N=16384 (fused dX + dW pass of 16-bit inputs);
-  4. backward group width (GROUP_N) for the best backward tiles;
+  1. backward (dY slab kernel) tiles at N=16384 (fused dX + dW pass of 16-bit inputs);
+  2. backward group width (GROUP_N) for the best backward tiles;
+  3. forward tiles with ranks (evaluation) at N=16384, a few candidates;
+  4. forward tiles at N=16384 (BLOCK_N x BLOCK_V x BLOCK_K x warps x stages);
+  5. forward vocabulary splits at N=4096 (64 token blocks: half an H100 without splits);
 then the three fastest settings of each stage are timed again (a difference under the spread of
 two timings is noise).  Every setting's output is compared with the default setting's (relative L2
 error; a setting that changes the result is reported, never picked).  Per compiled kernel: registers,
@@ -37,6 +38,11 @@ FORWARD = [dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
            for (bn, bv), bk, nw, ns in itertools.product(TILES, (64, 128), (4, 8), (3, 4))]
 BACKWARD = [dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
             for (bn, bv), bk, nw, ns in itertools.product(TILES, (32, 64), (4, 8), (2, 3))]
+# evaluation (ranks in the forward sweep): the training forward's best and the former default
+RANKS_TILES = [dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=4),
+               dict(BLOCK_N=64, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=4),
+               dict(BLOCK_N=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4),
+               dict(BLOCK_N=64, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3)]
 SPLITS = [1, 2, 3, 4, 8, None]
 GROUPS = [1, 4, 8, 16, 32, 1 << 20]  # 1 << 20: every token block in one group (the old order)
 SMALL_TILES = [dict(BLOCK_N=16, BLOCK_V=32, BLOCK_K=16), dict(BLOCK_N=32, BLOCK_V=16, BLOCK_K=32)]
@@ -71,6 +77,12 @@ class Problem:
     def forward(self, first=False):
         x, labels, _, _ = self.sets[0] if first else self._next()
         return self.fwd_mod.forward_stats(x, self.w, None, labels, self.heads, None, False).lse
+
+    def forward_ranks(self, first=False):
+        """The evaluation forward: target ranks counted in the same sweep (H = 1) or a second one."""
+        x, labels, _, _ = self.sets[0] if first else self._next()
+        stats = self.fwd_mod.forward_stats(x, self.w, None, labels, self.heads, None, False, need_ranks=True)
+        return torch.cat([stats.lse.flatten(), stats.ranks.double()])
 
     def backward(self, first=False):
         x, labels, lse, (alpha, beta, gamma) = self.sets[0] if first else self._next()
@@ -154,25 +166,27 @@ def run(args, device, dtype) -> list[dict]:
     kernels = {"forward": triton_forward._forward_kernel, "backward": triton_backward._dlogits_kernel}
     rows = []
 
-    def stage(name, kernel, settings, problem, ref, fixed=None) -> dict:
+    def stage(name, kernel, settings, problem, ref, fixed=None, fn=None) -> dict:
         """Sweep, tag, time the fastest again; returns the winning settings ({} if none held)."""
-        fn = getattr(problem, kernel)
+        fn = fn or getattr(problem, kernel)
         got = sweep(name, kernel, settings, fn, kernels[kernel], ref, timer, deadline, fixed)
         got = [{**r, "heads": problem.heads, "D": d, "V": v, "N": problem.n} for r in got]
         rows.extend(retime(got, fn, kernel, timer, deadline, tol))
         ranked = best(got, tol)
         return ranked[0]["settings"] if ranked else {}
 
-    for heads in args.heads:
+    for heads in args.heads:  # the backward first: the forward's tiles were swept on the H100 already
         big = Problem(n_big, d, v, heads, device, dtype)
-        win = stage("forward tiles", "forward", fwd_tiles, big, big.forward(first=True))
-        small = Problem(n_small, d, v, heads, device, dtype)
-        stage("forward splits", "forward", [{"SPLITS": s} for s in SPLITS], small, small.forward(first=True), win)
-        del small
         ref = big.backward(first=True)
         win = stage("backward tiles", "backward", bwd_tiles, big, ref)
         stage("backward groups", "backward", [{"GROUP_N": g} for g in GROUPS], big, ref, win)
-        del big, ref
+        del ref
+        stage("forward tiles with ranks", "forward", fwd_tiles[:len(RANKS_TILES)] if args.small else RANKS_TILES, big,
+              big.forward_ranks(first=True), fn=big.forward_ranks)
+        win = stage("forward tiles", "forward", fwd_tiles, big, big.forward(first=True))
+        small = Problem(n_small, d, v, heads, device, dtype)
+        stage("forward splits", "forward", [{"SPLITS": s} for s in SPLITS], small, small.forward(first=True), win)
+        del small, big
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(f"sweep took {time.monotonic() - start:.0f} s", flush=True)

@@ -88,7 +88,8 @@ def test_gpu_suite(run_all, lora):
 
 def test_tile_sweep(run_all):
     rows = _run(run_all, "tile_sweep")
-    assert {r["stage"] for r in rows} == {"forward tiles", "forward splits", "backward tiles", "backward groups"}
+    assert {r["stage"] for r in rows} == {"forward tiles", "forward splits", "backward tiles", "backward groups",
+                                         "forward tiles with ranks"}
     timed = [r for r in rows if "ms" in r]
     assert timed, rows  # the budget lets the first settings run
     for r in rows:
