@@ -263,8 +263,8 @@ def _zero_ignored_nonfinite(t, labels):
 
 def _matmul_into(out, a, b, accumulate, temp_bytes):
     """out = a @ b (rounded once into out's dtype), or out += a @ b with out float32 and the products of
-    16-bit a, b summed in float32; temporaries of at most about ``temp_bytes`` (on a GPU with
-    mm(out_dtype=); the upcast copies of the fallback, CPU included, are outside that bound)."""
+    16-bit a, b summed in float32; temporaries of at most about ``temp_bytes`` (on a GPU whose torch
+    has addmm / mm with out_dtype; the upcast copies of the fallback, CPU included, are outside it)."""
     if not accumulate:
         if out.is_contiguous() and out.dtype == a.dtype:
             torch.mm(a, b, out=out)
@@ -274,23 +274,37 @@ def _matmul_into(out, a, b, accumulate, temp_bytes):
     if a.dtype == out.dtype:
         out.addmm_(a, b)
         return
-    native = a.is_cuda and _cuda_mm_out_dtype()
+    mode = _cuda_accumulation(out.device) if a.is_cuda else ""
+    if mode == "addmm" and out.is_contiguous():  # cuBLAS adds into out: no temporary, half the traffic
+        torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+        return
     # per row of a: the float32 product row, and without mm(out_dtype=) the upcast row of a
-    rows = max(1, temp_bytes // (4 * max(out.shape[1], 1) + (0 if native else 4 * a.shape[1])))
-    b32 = None if native else b.float()  # products of 16-bit values are exact in float32
+    rows = max(1, temp_bytes // (4 * max(out.shape[1], 1) + (0 if mode else 4 * a.shape[1])))
+    b32 = None if mode else b.float()  # products of 16-bit values are exact in float32
     for r0 in range(0, a.shape[0], rows):
         part = a[r0:r0 + rows]
-        if native:
+        if mode:
             out[r0:r0 + rows].add_(torch.mm(part, b, out_dtype=torch.float32))
         else:  # CPU, or torch before mm(out_dtype=)
             out[r0:r0 + rows].addmm_(part.float(), b32)
 
 
 @functools.cache
-def _cuda_mm_out_dtype() -> bool:
-    """Whether this torch has mm(out_dtype=float32) for 16-bit CUDA operands (cuBLAS's float32 result)."""
-    a = torch.zeros(1, 1, dtype=torch.bfloat16, device="cuda")
+def _cuda_accumulation(device: torch.device) -> str:
+    """How this torch adds 16-bit CUDA products into a float32 tensor: "addmm" when
+    addmm(acc, a, b, out_dtype=float32, out=acc) adds in place (checked on exact small values, since
+    an aliased out is not documented), "mm" when only mm(out_dtype=float32) exists, "" otherwise."""
+    a = (torch.arange(48 * 40, device=device) % 7 - 3).view(48, 40).to(torch.bfloat16)
+    b = (torch.arange(40 * 24, device=device) % 5 - 2).view(40, 24).to(torch.bfloat16)
+    want = a.float() @ b.float() + 1.0  # small integers: exact in any order
     try:
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        acc = torch.ones(48, 24, device=device)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        if torch.equal(acc, want):
+            return "addmm"
     except (TypeError, RuntimeError):
-        return False
+        pass
+    try:
+        return "mm" if torch.equal(torch.mm(a, b, out_dtype=torch.float32), want - 1.0) else ""
+    except (TypeError, RuntimeError):
+        return ""
