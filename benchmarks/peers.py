@@ -20,6 +20,7 @@ Variants (bf16 inputs, float32 loss):
   liger             Liger-Kernel's fused linear cross-entropy
   cce / cce_exact   Cut Cross-Entropy's linear_cross_entropy, default impl and "cce_exact"
   hf_mhce_ce        hf_mhce.linear_cross_entropy
+  hf_mhce_ce_lean   the same with HF_MHCE_WORKSPACE_MB=64: the backward's dW and dX passes (10NDV, least memory)
   hf_mhce_mhce4/8   hf_mhce.multi_head_cross_entropy with H = 4 / 8
   hf_mhce_ranks     hf_mhce CE forward under collect_ranks (evaluation: forward only)
   slab_vocab        prototype: cuBLAS on float32 logit slabs per vocabulary slice, 8NDV (slab_prototype.py)
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import time
 
@@ -45,7 +47,8 @@ from records import Record, add_device_options, check_device, device_label, posi
 SHAPES = {"gpt2": (768, 50257), "mistral7b": (4096, 32768), "llama3": (4096, 128256)}
 SMALL = {"gpt2": (48, 263)}  # --small: the harness itself on CPU / under the interpreter (9 vocabulary tiles)
 PEERS = ("hf_eager", "compile_chunked", "liger", "cce", "cce_exact")
-OURS = ("hf_mhce_ce", "hf_mhce_mhce4", "hf_mhce_mhce8", "hf_mhce_ranks")
+OURS = ("hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_mhce4", "hf_mhce_mhce8", "hf_mhce_ranks")
+ENVIRONMENT = {"hf_mhce_ce_lean": {"HF_MHCE_WORKSPACE_MB": "64"}}  # set while the variant runs
 PROTOTYPES = ("slab_vocab", "slab_fwdgrad")
 
 
@@ -96,7 +99,7 @@ def make_variant(name: str, device: torch.device):
             raise Unavailable("Cut Cross-Entropy's kernels need CUDA tensors")
         impl = "cce_exact" if name == "cce_exact" else "cce"
         return (lambda x, w, y: cce(x, w, y, impl=impl)), False
-    if name == "hf_mhce_ce":
+    if name in ("hf_mhce_ce", "hf_mhce_ce_lean"):
         return (lambda x, w, y: hf_mhce.linear_cross_entropy(x, w, y, backend="triton")), False
     if name.startswith("hf_mhce_mhce"):
         heads = int(name.removeprefix("hf_mhce_mhce"))
@@ -259,6 +262,8 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
     references = {}  # per number of heads: a fast wrong answer is no result
     for name in variants:
         row = {"shape": label, "D": d, "V": v, "N": n, "variant": name, **{f"floor_{k}": x for k, x in floor.items()}}
+        restore = {k: os.environ.get(k) for k in ENVIRONMENT.get(name, {})}
+        os.environ.update(ENVIRONMENT.get(name, {}))
         try:
             fn, forward_only = make_variant(name, device)
             heads = heads_of(name)
@@ -283,6 +288,11 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
         except Exception as err:  # one broken peer must not cost the whole (one-shot) device run
             row["note"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
         finally:
+            for key, value in restore.items():
+                if value is None:
+                    del os.environ[key]
+                else:
+                    os.environ[key] = value
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         rows.append(row)

@@ -309,3 +309,29 @@ def test_device_run_stops_a_step_in_time_to_pack_it(tmp_path, monkeypatch):
     with tarfile.open(out / "records.tar.gz") as tar:
         assert sorted(Path(n).name for n in tar.getnames() if n.endswith((".json", ".md"))) == [
             "first-shape.json", "first-shape.md"]
+
+
+def test_lean_variant_sets_its_workspace_only_while_it_runs(monkeypatch):
+    """hf_mhce_ce_lean runs under HF_MHCE_WORKSPACE_MB=64 (its backward reads it), and the rows after it
+    do not: the variable is restored, an existing value included."""
+    import torch
+
+    import peers
+
+    seen = []
+
+    def stub(name, device):
+        seen.append((name, os.environ.get("HF_MHCE_WORKSPACE_MB")))
+        raise peers.Unavailable("stub")
+
+    monkeypatch.setattr(peers, "make_variant", stub)
+    for before in (None, "300"):
+        if before is None:
+            monkeypatch.delenv("HF_MHCE_WORKSPACE_MB", raising=False)
+        else:
+            monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", before)
+        seen.clear()
+        peers.run_shape("tiny", 8, 16, 4, ["hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce"], torch.device("cpu"),
+                        torch.bfloat16, 1, 1)
+        assert seen == [("hf_mhce_ce", before), ("hf_mhce_ce_lean", "64"), ("hf_mhce_ce", before)]
+        assert os.environ.get("HF_MHCE_WORKSPACE_MB") == before
