@@ -59,13 +59,9 @@ _GPU_DEFAULTS = {
     "ranks": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 64},  # BLOCK_V 128 spills 956 bytes at H=4, 64: 84
 }
 # float32 inputs take exact FMA products (no tensor cores), whose operands sit in registers: at BLOCK_K
-# 32-64 ptxas spills up to 1.5 KB per thread (backward, forward on sm_80); at 16 with 64 x 128 tiles none,
-# in every kernel (compile-check-2026-11-23.md).  Same BLOCK_K for the three kernels, as the ranks' ties require.
-_GPU_FLOAT32 = {
-    "forward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 16, "num_stages": 3},
-    "backward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 16},
-    "ranks": {"BLOCK_K": 16},
-}
+# 32-64 ptxas spills up to 1.5 KB per thread (backward, forward on sm_80); at 16 none, in every kernel
+# (compile-check-2026-11-23.md).  Same BLOCK_K for the three kernels, as the ranks' ties require.
+_GPU_FLOAT32 = {"BLOCK_K": 16}
 # Hopper (sm_90), 16-bit: the H100 sweep's fastest forward, 29.4 ms against 50.7 for the default tiles at
 # Llama-3-8B's head and N = 16384 (tile_sweep-NVIDIA-H100-80GB-HBM3-2026-11-24-budget-s_240.md, Triton 3.6).
 # Hopper only: for sm_80 ptxas spills 10 KB per thread at these tiles (compile-check-2026-11-24-sweep.md).
@@ -85,7 +81,7 @@ def launch_config(kernel: str, dtype: torch.dtype, device: torch.device | None =
         # 8 warps whatever the head width: at 4, 128 x 256 tiles spill 6 KB per thread (H100 sweep)
         cfg = {**_GPU_DEFAULTS[kernel], "num_warps": 8}
         if dtype == torch.float32:
-            cfg.update(_GPU_FLOAT32[kernel])
+            cfg.update(_GPU_FLOAT32)
         elif device is not None and device.type == "cuda" and _capability(device)[0] == 9:
             cfg.update(_HOPPER_16BIT.get(kernel, {}))
     cfg.update(_overrides.get(kernel, {}))
