@@ -19,6 +19,8 @@ temporaries together:
 - float32 inputs: one pass, the outputs are the accumulators.
 dB is summed inside the kernel (float32 atomics on [V], small); the low-rank gradients (LoRA on the
 head) dU = dY B and dB_low = dY^T U are matmuls on the slabs of the first pass, in float32 buffers.
+Outside the bound: a copy of X (and U) with the ignored rows zeroed, made only when one of those rows
+is not finite (a fully masked attention row), so that 0 * NaN does not reach dW.
 """
 
 from __future__ import annotations
