@@ -41,8 +41,8 @@ mkdir -p "$OUT" || die "cannot create $OUT"
 RECORDS=$(mktemp -d) || die "mktemp failed"  # outside $OUT, so that only the packed records go back
 export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 echo "$GPU" | tee "$OUT/device.txt"
-python3 -c 'import torch, triton; from hf_mhce.ops.triton_backward import _cuda_accumulation as a
-print("torch", torch.__version__, "triton", triton.__version__, "float32 accumulation:", a(torch.device("cuda")) or "upcast")' \
+python3 -c 'import torch, triton; from hf_mhce.ops.triton_backward import accumulation_mode as a
+print("torch", torch.__version__, "triton", triton.__version__, "float32 accumulation:", a(torch.ones(1, device="cuda")) or "upcast")' \
   2>&1 | tee -a "$OUT/device.txt"
 pack() {  # the records so far, as one file
   [ -n "$(ls -A "$RECORDS")" ] || return 0

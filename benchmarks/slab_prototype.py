@@ -1,8 +1,9 @@
 """Prototypes of the two other designs for the fused CE backward, measured beside our Triton kernels by
 peers.py (issue P6).  Not part of the package: which design hf_mhce ships follows these numbers.
 
-Our Triton backward reduces dX and dW across tiles with float32 atomics: per BLOCK_N x BLOCK_V tile
-it adds 4 * D * (BLOCK_N + BLOCK_V) bytes for 6 * BLOCK_N * BLOCK_V * D FLOPs, i.e. at 64 x 128 tiles
+Our first Triton backward (replaced by the slab backward of hf_mhce/ops/triton_backward.py, which came
+out of these measurements) reduced dX and dW across tiles with float32 atomics: per BLOCK_N x BLOCK_V tile
+it added 4 * D * (BLOCK_N + BLOCK_V) bytes for 6 * BLOCK_N * BLOCK_V * D FLOPs, i.e. at 64 x 128 tiles
 64 FLOP per atomic byte: an H100 at 750 TFLOP/s would need ~12 TB/s of L2 atomics.  The designs here
 have no atomics: cuBLAS matmuls on a materialised slab of the logits, in float32, bounded by
 ``slab_mb`` (one slab of logits + its bf16 gradient at a time).

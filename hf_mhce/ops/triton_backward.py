@@ -25,7 +25,6 @@ is not finite (a fully masked attention row), so that 0 * NaN does not reach dW.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -114,7 +113,7 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty_like(w) if need_dw else None
     dx_bytes = n * d * 4
-    if need_dx and need_dw and dx_bytes + 2 * slabs.entry_bytes * n * slabs.cfg["BLOCK_V"] <= budget:
+    if need_dx and need_dw and dx_bytes + slabs.room_for(n * slabs.cfg["BLOCK_V"] * slabs.entry_bytes) <= budget:
         dx32 = torch.zeros(n, d, **f32)
         _reduction_pass(slabs, dw, "vocab", budget - dx_bytes, True, dx_acc=dx32)
         dx.copy_(dx32)
@@ -134,31 +133,46 @@ def _fit(total: int, block: int, unit_bytes: int, budget: int) -> int:
     return min(total, max(block, budget // max(unit_bytes, 1) // block * block))
 
 
+def _aligned(columns: int) -> int:
+    """Row stride of a slab of ``columns`` vocabulary entries: a multiple of 8 (16 bytes), which cuBLAS
+    needs for its fast kernels (GPT-2's V = 50257 would misalign every row)."""
+    return -(-columns // 8) * 8
+
+
 def _reduction_pass(slabs, out, rows_axis, budget, side, dx_acc=None):
     """``out`` = dW (rows_axis "vocab": rows are vocabulary entries, summed over tokens) or dX ("tokens"),
-    or None (side gradients only), from slabs of at most ``budget`` / 2 bytes.  ``dx_acc`` (vocab only):
-    a float32 [N, D] into which the same slabs' dX products are added (the fused pass).
+    or None (side gradients only), from slabs within ``budget``.  ``dx_acc`` (vocab only): a float32
+    [N, D] into which the same slabs' dX products are added (the fused pass).
 
     A slab spanning the whole sum gives ``out`` rows directly; otherwise each range of rows is summed in
-    a float32 accumulator (at most ``budget`` / 2), or in ``out`` itself when it is float32.
+    a float32 accumulator (at most ``budget`` / 2), or in ``out`` itself when it is float32.  Slabs and
+    the matmuls' temporaries share the rest (``_Slabs.slab_share``).
     """
-    n, v, d = slabs.n, slabs.v, slabs.d
-    blocks = (slabs.cfg["BLOCK_N"], slabs.cfg["BLOCK_V"])
-    (total_rows, block_rows), (total_sum, block_sum) = ((v, blocks[1]), (n, blocks[0])) if rows_axis == "vocab" \
-        else ((n, blocks[0]), (v, blocks[1]))
+    slabs.buffer = None  # an earlier pass's slab is not kept beside this pass's
+    n, v, d, entry = slabs.n, slabs.v, slabs.d, slabs.entry_bytes
+    vocab_rows = rows_axis == "vocab"
+    bn, bv = slabs.cfg["BLOCK_N"], slabs.cfg["BLOCK_V"]
+    total_rows, block_rows, total_sum, block_sum = (v, bv, n, bn) if vocab_rows else (n, bn, v, bv)
     if total_rows == 0 or total_sum == 0:  # no tokens: zero gradients
         if out is not None:
             out.zero_()
         return
-    entry = slabs.entry_bytes
-    if block_rows * total_sum * entry <= budget // 2:
-        rows, span = _fit(total_rows, block_rows, total_sum * entry, budget // 2), total_sum
-        temp = budget // 2
+
+    def fit(total, block, unit_bytes, room, vocab):  # vocabulary extents count with their aligned stride
+        return min(total, _fit(_aligned(total) if vocab else total, block, unit_bytes, room))
+
+    whole = (total_sum if vocab_rows else _aligned(total_sum)) * entry  # slab bytes of one row over the whole sum
+    if block_rows * whole <= slabs.slab_share(budget):
+        room, span = budget, total_sum
+        rows = fit(total_rows, block_rows, whole, slabs.slab_share(room), vocab_rows)
     else:
-        # rows: a float32 accumulator within budget / 2, and room for slabs of one block within budget / 4
-        rows = _fit(total_rows, block_rows, max(2 * d * 4, 4 * block_sum * entry), budget)
-        span = _fit(total_sum, block_sum, rows * entry, budget // 4)
-        temp = budget // 4
+        room = budget // 2  # the other half: a float32 accumulator of ``rows`` rows
+        acc_row = 0 if out is None or out.dtype == torch.float32 else 4 * d
+        rows = min(fit(total_rows, block_rows, acc_row, room, vocab_rows),
+                   fit(total_rows, block_rows, block_sum * entry, slabs.slab_share(room), vocab_rows))
+        span = fit(total_sum, block_sum, (_aligned(rows) if vocab_rows else rows) * entry, slabs.slab_share(room),
+                   not vocab_rows)
+    temp = room - slabs.slab_share(room)
     accumulate = span < total_sum
     acc = None
     if out is not None and accumulate and out.dtype != torch.float32:
@@ -170,7 +184,7 @@ def _reduction_pass(slabs, out, rows_axis, budget, side, dx_acc=None):
             target.zero_()
         for s0 in range(0, total_sum, span):
             s1 = min(total_sum, s0 + span)
-            n_range, v_range = ((s0, s1), (r0, r1)) if rows_axis == "vocab" else ((r0, r1), (s0, s1))
+            n_range, v_range = ((s0, s1), (r0, r1)) if vocab_rows else ((r0, r1), (s0, s1))
             slab = slabs.compute(n_range, v_range, with_db=side)
             if target is not None:
                 slabs.product(rows_axis, slab, n_range, v_range, target, accumulate, temp)
@@ -187,7 +201,7 @@ class _Slabs:
 
     def __init__(self, x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, low_rank, db, du, dlb,
                  sanitize):
-        self.x, self.w, self.bias, self.labels, self.low_rank = x, w, bias, labels, low_rank
+        self.x, self.w, self.bias, self.low_rank = x, w, bias, low_rank
         self.n, self.d = x.shape
         self.v, self.h, self.dh = w.shape[0], num_heads, x.shape[1] // num_heads
         self.cfg = launch_config("backward", x.dtype, x.device)
@@ -197,6 +211,10 @@ class _Slabs:
         self.args = (x, w, bias if bias is not None else lse, u, lb, labels, lse, alpha, beta, gamma)
         self.softcap = softcap
         self.buffer = None
+        # Matmul temporaries: none where every product is written or added in place (float32 inputs; one
+        # head with cuBLAS adding into float32), otherwise row chunks within half of what slabs may take.
+        mode = accumulation_mode(x)
+        self.temporaries = not (x.dtype == torch.float32 or (num_heads == 1 and mode == "addmm"))
         # dW = dY^T X and dB_low = dY^T U take ignored rows' hidden / U rows times 0: zeroed copies where such
         # a row is not finite (0 * NaN = NaN), as the torch backend does; one check, no copy otherwise.
         self.x_for_dw, self.u_for_dlb = x, low_rank[0] if low_rank is not None else None
@@ -205,21 +223,31 @@ class _Slabs:
             if low_rank is not None:
                 self.u_for_dlb = _zero_ignored_nonfinite(low_rank[0], labels)
 
+    def slab_share(self, room: int) -> int:
+        """Bytes of ``room`` that slabs may take; the rest is for the matmuls' temporaries."""
+        return room // 2 if self.temporaries else room
+
+    def room_for(self, slab_bytes: int) -> int:
+        """Bytes a slab of ``slab_bytes`` needs with its share of temporaries."""
+        return 2 * slab_bytes if self.temporaries else slab_bytes
+
     def compute(self, n_range, v_range, with_db):
-        """The slab of tokens ``n_range`` x vocabulary ``v_range`` (valid until the next call)."""
+        """The slab [H, tokens, columns] of tokens ``n_range`` x vocabulary ``v_range``, rows aligned
+        (valid until the next call)."""
         (n0, n1), (v0, v1) = n_range, v_range
-        m, c = n1 - n0, v1 - v0
-        if self.buffer is None or self.buffer.numel() < self.h * m * c:  # the first slab of a pass is the largest
+        m, c, stride = n1 - n0, v1 - v0, _aligned(v1 - v0)
+        size = self.h * m * stride
+        if self.buffer is None or self.buffer.numel() < size:  # the first slab of a pass is the largest
             self.buffer = None
-            self.buffer = torch.empty(self.h * m * c, dtype=self.x.dtype, device=self.x.device)
-        slab = self.buffer[: self.h * m * c].view(self.h, m, c)
+            self.buffer = torch.empty(size, dtype=self.x.dtype, device=self.x.device)
+        slab = self.buffer[:size].view(self.h, m, stride)[:, :, :c]
         cfg = self.cfg
         dummy = self.args[6]
         db = self.db if with_db and self.db is not None else dummy
         grid = (triton.cdiv(m, cfg["BLOCK_N"]) * triton.cdiv(c, cfg["BLOCK_V"]), self.h)
         _dlogits_kernel[grid](
             *self.args, slab, db, n0, n1, v0, v1, self.dh, self.rank, self.x.stride(0), self.w.stride(0),
-            self.stride_u, self.stride_lb, m * c, c, float(self.softcap) if self.softcap is not None else 1.0,
+            self.stride_u, self.stride_lb, m * stride, stride, float(self.softcap) if self.softcap is not None else 1.0,
             NUM_HEADS=self.h, HAS_BIAS=self.bias is not None, HAS_SOFTCAP=self.softcap is not None,
             HAS_LOW_RANK=self.low_rank is not None, NEED_DB=with_db and self.db is not None,
             **cfg, **dot_settings(self.x.dtype),
@@ -264,19 +292,17 @@ def _zero_ignored_nonfinite(t, labels):
 
 
 def _matmul_into(out, a, b, accumulate, temp_bytes):
-    """out = a @ b (rounded once into out's dtype), or out += a @ b with out float32 and the products of
-    16-bit a, b summed in float32; temporaries of at most about ``temp_bytes`` (on a GPU whose torch
-    has addmm / mm with out_dtype; the upcast copies of the fallback, CPU included, are outside it)."""
+    """out = a @ b (rounded once into out's dtype, written in place), or out += a @ b with out float32 and
+    the products of 16-bit a, b summed in float32; temporaries of at most about ``temp_bytes`` on a GPU
+    whose torch has mm / addmm with out_dtype (the upcast copies of the fallback, CPU included, are
+    outside that bound)."""
     if not accumulate:
-        if out.is_contiguous() and out.dtype == a.dtype:
-            torch.mm(a, b, out=out)
-        else:
-            out.copy_(a @ b)
+        torch.mm(a, b, out=out)  # cuBLAS writes a row-strided out (a head's columns) in place
         return
     if a.dtype == out.dtype:
         out.addmm_(a, b)
         return
-    mode = _cuda_accumulation(out.device) if a.is_cuda else ""
+    mode = accumulation_mode(a)
     if mode == "addmm" and out.is_contiguous():  # cuBLAS adds into out: no temporary, half the traffic
         torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
         return
@@ -291,22 +317,36 @@ def _matmul_into(out, a, b, accumulate, temp_bytes):
             out[r0:r0 + rows].addmm_(part.float(), b32)
 
 
-@functools.cache
-def _cuda_accumulation(device: torch.device) -> str:
-    """How this torch adds 16-bit CUDA products into a float32 tensor: "addmm" when
+_ACCUMULATION: dict = {}  # device -> mode, cached once found (a failed check is tried again)
+
+
+def accumulation_mode(t: torch.Tensor) -> str:
+    """How 16-bit products add into a float32 tensor on ``t``'s device: "addmm" where
     addmm(acc, a, b, out_dtype=float32, out=acc) adds in place (checked on exact small values, since
-    an aliased out is not documented), "mm" when only mm(out_dtype=float32) exists, "" otherwise."""
+    an aliased out is not documented) and mm(out_dtype=float32) works, "mm" where only the latter
+    does, "" otherwise (CPU, older torch: float32 upcast copies)."""
+    if not t.is_cuda:
+        return ""
+    mode = _ACCUMULATION.get(t.device)
+    if mode is None:
+        mode = _probe_accumulation(t.device)
+        if mode:
+            _ACCUMULATION[t.device] = mode
+    return mode
+
+
+def _probe_accumulation(device: torch.device) -> str:
     a = (torch.arange(48 * 40, device=device) % 7 - 3).view(48, 40).to(torch.bfloat16)
     b = (torch.arange(40 * 24, device=device) % 5 - 2).view(40, 24).to(torch.bfloat16)
-    want = a.float() @ b.float() + 1.0  # small integers: exact in any order
+    product = a.float() @ b.float()  # small integers: exact in any order
+    try:
+        if not torch.equal(torch.mm(a, b, out_dtype=torch.float32), product):
+            return ""
+    except (TypeError, RuntimeError, NotImplementedError):
+        return ""
     try:
         acc = torch.ones(48, 24, device=device)
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-        if torch.equal(acc, want):
-            return "addmm"
-    except (TypeError, RuntimeError):
-        pass
-    try:
-        return "mm" if torch.equal(torch.mm(a, b, out_dtype=torch.float32), want - 1.0) else ""
-    except (TypeError, RuntimeError):
-        return ""
+        return "addmm" if torch.equal(acc, product + 1.0) else "mm"
+    except (TypeError, RuntimeError, NotImplementedError):
+        return "mm"

@@ -82,7 +82,7 @@ def launch_config(kernel: str, dtype: torch.dtype, device: torch.device | None =
         cfg = {**_GPU_DEFAULTS[kernel], "num_warps": 8}
         if dtype == torch.float32:
             cfg.update(_GPU_FLOAT32)
-        elif device is not None and device.type == "cuda" and _capability(device)[0] == 9:
+        elif device is not None and device.type == "cuda" and _is_hopper(device):
             cfg.update(_HOPPER_16BIT.get(kernel, {}))
     cfg.update(_overrides.get(kernel, {}))
     return cfg
@@ -90,6 +90,12 @@ def launch_config(kernel: str, dtype: torch.dtype, device: torch.device | None =
 
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
+
+
+def _is_hopper(device: torch.device) -> bool:
+    """sm_90 (H100, H200).  Not ROCm: an MI300 also reports major version 9 (gfx94x), with less shared
+    memory per CU than these tiles' four stages take."""
+    return torch.version.hip is None and _capability(device)[0] == 9
 
 
 @contextlib.contextmanager

@@ -25,7 +25,8 @@ NAMES = ("hidden", "weight", "bias", "U", "B")
 SUBSETS = [m for m in itertools.product((False, True), repeat=5) if any(m)]
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="no triton"))]
 SHAPES = {"N17-D10-H2": (17, 10, 37, 2, 3), "N1-D7-H1-R17": (1, 7, 37, 1, 17)}  # N, D, V, heads, R
-# "0.001" MB: about 1 KiB of float32 scratch, under one 32-row block of D = 10 (40-byte rows)
+# "0.001" MB (1048 bytes): under one interpreter tile of everything, so the dW pass sums slabs of 16 tokens
+# into a float32 accumulator and the dX pass slabs of 32 columns
 # float32 under "0.001" MB: slabs of 16 tokens, dW and dX added into the outputs across slabs
 CONFIGS = {"fp32": (torch.float32, None), "fp32-ranges": (torch.float32, "0.001"), "fp16": (torch.float16, None),
            "bf16-split": (torch.bfloat16, "0.001")}

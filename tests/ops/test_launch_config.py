@@ -111,6 +111,8 @@ def test_gpu_settings_keep_rank_ties(monkeypatch, dtype, capability):
         assert (fwd["BLOCK_K"], bwd["BLOCK_K"]) == (64, 32)
         assert (fwd["BLOCK_N"], fwd["BLOCK_V"]) == ((128, 256) if capability == (9, 0) else (64, 128))
     assert tile.launch_config("forward", dtype) == tile.launch_config("forward", dtype, torch.device("cpu"))
+    monkeypatch.setattr(torch.version, "hip", "6.4")  # ROCm: an MI300 reports capability 9 as well
+    assert tile.launch_config("forward", dtype, cuda) == tile.launch_config("forward", dtype)
 
 
 def test_override_is_scoped_and_validated():

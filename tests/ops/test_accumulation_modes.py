@@ -1,0 +1,62 @@
+"""The slab backward's ways of adding 16-bit products into float32 (``triton_backward._matmul_into``):
+"addmm" (cuBLAS adds in place), "mm" (a float32 product, then added) and "" (upcast copies, CPU).
+The first two run only on a GPU whose torch has ``out_dtype``; here a stand-in torch gives mm / addmm
+that argument (float32 products of the upcast operands), so that their branches, and the budget shares
+that follow from the mode (no temporaries with "addmm" and one head), are checked under the interpreter
+against the CPU mode, which the rest of the suite checks against float64."""
+
+import pytest
+import torch
+
+import hf_mhce
+from reference import assert_close_scaled, make_inputs, requires_triton
+
+
+class _TorchWithOutDtype:
+    """``torch`` with mm / addmm taking ``out_dtype=torch.float32`` for 16-bit operands, as on CUDA."""
+
+    def __init__(self):
+        self.calls = {"mm": 0, "addmm": 0}
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def mm(self, a, b, out=None, out_dtype=None):
+        if out_dtype is None:
+            return torch.mm(a, b, out=out)
+        self.calls["mm"] += 1
+        return a.float() @ b.float()
+
+    def addmm(self, c, a, b, out_dtype=None, out=None):
+        assert out_dtype == torch.float32 and out is c and c.is_contiguous()
+        self.calls["addmm"] += 1
+        return c.add_(a.float() @ b.float())
+
+
+@requires_triton
+@pytest.mark.parametrize("mode", ["addmm", "mm"])
+@pytest.mark.parametrize("workspace_mb", [None, "0.001"], ids=["fused", "split"])  # split: both passes accumulate
+@pytest.mark.parametrize("heads", [1, 2])
+def test_modes_match_the_cpu_mode(mode, workspace_mb, heads, monkeypatch):
+    from hf_mhce.ops import triton_backward
+
+    if workspace_mb is not None:
+        monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", workspace_mb)
+    hidden, weight, bias, labels = make_inputs((37,), 32, 61, dtype=torch.bfloat16, bias=True, num_heads=heads,
+                                               ignore_frac=0.2, logit_std=3.0)
+
+    def grads():
+        x, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+        hf_mhce.multi_head_cross_entropy(x, w, labels, heads, bias=b, label_smoothing=0.1, backend="triton").backward()
+        return x.grad, w.grad, b.grad
+
+    want = grads()
+    stand_in = _TorchWithOutDtype()
+    monkeypatch.setattr(triton_backward, "torch", stand_in)
+    monkeypatch.setattr(triton_backward, "accumulation_mode", lambda t: mode)
+    got = grads()
+    assert stand_in.calls["addmm" if mode == "addmm" and heads == 1 else "mm"] > 0, stand_in.calls
+    for name, g, r in zip(["dX", "dW", "dB"], got, want):
+        # float32 sums in another order, then one bf16 rounding: equal up to an ulp here and there
+        assert_close_scaled(g, r, rtol=1e-2, atol=1e-2, name=name)
+        assert (g.float() - r.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * r.float().abs().max()
