@@ -269,7 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .losses.dispatch import check_environment
+    from .ops.budget import SettingError
+
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        check_environment()  # a bad HF_MHCE_* value: one line naming it, before any work
+    except SettingError as err:
+        print(f"hf-mhce: error: {err}", file=sys.stderr)
+        return 2
     if argv and argv[0] == "train":  # HfArgumentParser owns every option of the main job
         from .train import cli as train_cli
 

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from ..ops import torch_sweep
+from ..ops.budget import SettingError, megabytes_env
 
 BACKENDS = ("auto", "triton", "torch")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -35,9 +36,24 @@ def _triton_ops() -> SimpleNamespace:
 _TORCH_OPS = SimpleNamespace(name="torch", forward_stats=torch_sweep.forward_stats, backward=torch_sweep.backward)
 
 
+def _environment_backend() -> str:
+    name = os.environ.get("HF_MHCE_BACKEND") or "auto"  # set empty: the default
+    if name.lower() not in BACKENDS:
+        raise SettingError(f"HF_MHCE_BACKEND must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def check_environment() -> None:
+    """Read every ``HF_MHCE_*`` setting now (backend, chunk and workspace budgets): a SettingError names
+    the first unusable one before a job starts, instead of at its first loss."""
+    _environment_backend()
+    torch_sweep.chunk_bytes()
+    megabytes_env("HF_MHCE_WORKSPACE_MB", 1.0)  # the value is checked; the default is the backward's own
+
+
 def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
     """The ops namespace (forward_stats, backward) to use for tensors on ``device`` of ``dtype``."""
-    name = backend if backend is not None else os.environ.get("HF_MHCE_BACKEND") or "auto"  # set empty: the default
+    name = backend if backend is not None else _environment_backend()
     if not isinstance(name, str) or name.lower() not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} (argument or HF_MHCE_BACKEND), got {name!r}")
     name = name.lower()

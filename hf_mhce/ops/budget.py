@@ -6,17 +6,21 @@ import math
 import os
 
 
+class SettingError(ValueError):
+    """An ``HF_MHCE_*`` environment variable holds a value the ops cannot use (the message names it)."""
+
+
 def megabytes_env(name: str, default_mb: float) -> int:
     """The budget in environment variable ``name`` (megabytes, default ``default_mb``) as bytes.
 
-    A ValueError names the variable unless the value is a positive, finite number: ``inf`` would
+    A SettingError (a ValueError) names the variable unless the value is a positive, finite number: ``inf`` would
     pass a bare ``> 0`` check and fail later in ``int()`` with an OverflowError naming nothing.
     """
     raw = os.environ.get(name, "")
     try:
         mb = float(raw) if raw else float(default_mb)
     except ValueError:
-        raise ValueError(f"{name} must be a number of megabytes, got {raw!r}") from None
+        raise SettingError(f"{name} must be a number of megabytes, got {raw!r}") from None
     if not (mb > 0 and math.isfinite(mb * 2**20)):  # also rejects nan, and 1e308 (inf once in bytes)
-        raise ValueError(f"{name} must be a positive, finite number of megabytes, got {raw!r}")
+        raise SettingError(f"{name} must be a positive, finite number of megabytes, got {raw!r}")
     return int(mb * 2**20)
