@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        check_environment()  # a bad HF_MHCE_* value: one line naming it, before any work
+        if not {"-h", "--help"} & set(argv):  # help is printed whatever the environment
+            check_environment()  # a bad HF_MHCE_* value: one line naming it, before any work
     except SettingError as err:
         print(f"hf-mhce: error: {err}", file=sys.stderr)
         return 2

@@ -43,15 +43,19 @@ def test_demo_with_few_tokens_keeps_targets(capsys):
         assert len(values) == 3 and all(math.isfinite(v) and v > 0 for v in values), rows
 
 
-@pytest.mark.parametrize("command", [["demo", "--tokens", "8", "--vocab", "50", "--hidden", "8"], ["train", "--help"],
+@pytest.mark.parametrize("command", [["demo", "--tokens", "8", "--vocab", "50", "--hidden", "8"],
+                                     ["train", "--max_steps", "1", "--output_dir", "unused"],
                                      ["rbe", "some/model", "--dataset", "x.txt"]])
 @pytest.mark.parametrize("name,value", [("HF_MHCE_CHUNK_MB", "abc"), ("HF_MHCE_WORKSPACE_MB", "-1"),
                                         ("HF_MHCE_BACKEND", "cuda")])
 def test_a_bad_environment_setting_is_one_line_before_any_work(command, name, value, monkeypatch, capsys):
     """An unusable HF_MHCE_* value was a traceback from inside the first loss (demo), or after the data
-    were read (train): every command now says which variable, and stops at once."""
+    were read (train): every command now says which variable, and stops at once.  Help still prints."""
     monkeypatch.setenv(name, value)
     assert main(command) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith(f"hf-mhce: error: {name} must be") and "Traceback" not in captured.err
     assert captured.out == ""
+    with pytest.raises(SystemExit) as info:
+        main([command[0], "--help"])
+    assert info.value.code == 0 and "usage" in capsys.readouterr().out.lower()
