@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from ..ops import torch_sweep
-from ..ops.budget import SettingError, megabytes_env
+from ..ops.budget import SettingError, workspace_bytes
 
 BACKENDS = ("auto", "triton", "torch")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -48,7 +48,7 @@ def check_environment() -> None:
     the first unusable one before a job starts, instead of at its first loss."""
     _environment_backend()
     torch_sweep.chunk_bytes()
-    megabytes_env("HF_MHCE_WORKSPACE_MB", 1.0)  # the value is checked; the default is the backward's own
+    workspace_bytes()
 
 
 def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> SimpleNamespace:

@@ -24,3 +24,11 @@ def megabytes_env(name: str, default_mb: float) -> int:
     if not (mb > 0 and math.isfinite(mb * 2**20)):  # also rejects nan, and 1e308 (inf once in bytes)
         raise SettingError(f"{name} must be a positive, finite number of megabytes, got {raw!r}")
     return int(mb * 2**20)
+
+
+DEFAULT_WORKSPACE_MB = 512.0
+
+
+def workspace_bytes() -> int:
+    """Bound of the Triton backward's slabs, float32 accumulators and temporaries, from ``HF_MHCE_WORKSPACE_MB``."""
+    return megabytes_env("HF_MHCE_WORKSPACE_MB", DEFAULT_WORKSPACE_MB)

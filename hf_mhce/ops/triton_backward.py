@@ -30,15 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .budget import megabytes_env
+from .budget import workspace_bytes
 from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args
-
-DEFAULT_WORKSPACE_MB = 512.0
-
-
-def workspace_bytes() -> int:
-    """Bound of the backward's slabs, float32 accumulators and temporaries, from ``HF_MHCE_WORKSPACE_MB``."""
-    return megabytes_env("HF_MHCE_WORKSPACE_MB", DEFAULT_WORKSPACE_MB)
 
 
 @triton.jit

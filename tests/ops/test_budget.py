@@ -10,18 +10,14 @@ import torch
 
 import hf_mhce
 from hf_mhce.ops import budget, torch_sweep
-from reference import HAVE_TRITON, assert_close_scaled, requires_triton
+from reference import assert_close_scaled, requires_triton
 
 
 def _reader(name):
     """(the function that reads ``name`` for the ops, its default in MB)."""
     if name == "HF_MHCE_CHUNK_MB":
         return torch_sweep.chunk_bytes, torch_sweep.DEFAULT_CHUNK_MB
-    if not HAVE_TRITON:
-        pytest.skip("no triton")
-    from hf_mhce.ops import triton_backward
-
-    return triton_backward.workspace_bytes, triton_backward.DEFAULT_WORKSPACE_MB
+    return budget.workspace_bytes, budget.DEFAULT_WORKSPACE_MB  # read by the Triton backward
 
 
 @pytest.mark.parametrize("name", ["HF_MHCE_CHUNK_MB", "HF_MHCE_WORKSPACE_MB"])
@@ -108,7 +104,7 @@ def test_16bit_scratch_within_workspace(mask, monkeypatch):
         hf_mhce.multi_head_cross_entropy(x, w, labels, heads, low_rank=(u, b), label_smoothing=0.1,
                                          backend=backend).backward()
         grads[backend] = [t.grad for t in (x, w, u, b)]
-    assert spy.slabs and max(spy.live) <= triton_backward.workspace_bytes(), spy.live
+    assert spy.slabs and max(spy.live) <= budget.workspace_bytes(), spy.live
     for name, m, got, want in zip(["dX", "dW", "dU", "dB_low"], mask, grads["triton"], grads["torch"]):
         assert (got is not None) == m, name
         if m:
@@ -133,4 +129,4 @@ def test_16bit_passes_do_not_keep_each_others_scratch(monkeypatch):
     hf_mhce.linear_cross_entropy(x, w, torch.randint(0, v, (n,)), backend="triton").backward()
     assert spy.rows == [32] and len(spy.slab_bytes_at_accumulator) == 1, (spy.rows, spy.slabs)
     assert spy.slab_bytes_at_accumulator == [0]  # the dW pass's slab is gone
-    assert max(spy.live) <= triton_backward.workspace_bytes(), spy.live
+    assert max(spy.live) <= budget.workspace_bytes(), spy.live
