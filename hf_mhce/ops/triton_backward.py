@@ -106,7 +106,7 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty_like(w) if need_dw else None
     dx_bytes = n * d * 4
-    if need_dx and need_dw and dx_bytes + slabs.room_for(n * slabs.cfg["BLOCK_V"] * slabs.entry_bytes) <= budget:
+    if need_dx and need_dw and n * slabs.cfg["BLOCK_V"] * slabs.entry_bytes <= slabs.slab_share(budget - dx_bytes):
         dx32 = torch.zeros(n, d, **f32)
         _reduction_pass(slabs, dw, "vocab", budget - dx_bytes, True, dx_acc=dx32)
         dx.copy_(dx32)
@@ -219,10 +219,6 @@ class _Slabs:
     def slab_share(self, room: int) -> int:
         """Bytes of ``room`` that slabs may take; the rest is for the matmuls' temporaries."""
         return room // 2 if self.temporaries else room
-
-    def room_for(self, slab_bytes: int) -> int:
-        """Bytes a slab of ``slab_bytes`` needs with its share of temporaries."""
-        return 2 * slab_bytes if self.temporaries else slab_bytes
 
     def compute(self, n_range, v_range, with_db):
         """The slab [H, tokens, columns] of tokens ``n_range`` x vocabulary ``v_range``, rows aligned
