@@ -45,24 +45,41 @@ def _autocast(hidden, weight, bias, low_rank=None):
     return cast(hidden), cast(weight), cast(bias), pair
 
 
-def _reduce(losses, valid, label_shape, reduction, num_items_in_batch):
+def _divisor(valid, reduction, num_items_in_batch, dtype):
+    """What the summed loss is divided by: None for reduction "none", 1 for a sum (or
+    num_items_in_batch = 0 with every label ignored), else a 0-dim tensor of the loss's ``dtype``."""
     if reduction == "none":
-        return losses.view(label_shape)
-    total = losses.sum()
+        return None
     if num_items_in_batch is not None:
-        divisor = torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype).reshape(())
+        divisor = torch.as_tensor(num_items_in_batch, device=valid.device).to(dtype).reshape(())
         value = float(divisor)  # one sync for both tests
         if not 0 <= value < math.inf:  # negative, NaN or infinite (which would give a loss of 0)
             raise ValueError(f"num_items_in_batch must be a finite count >= 0, got {value}")
         if value == 0:
             if bool(valid.any()):
                 raise ValueError("num_items_in_batch is 0 but some labels are not ignored")
-            return total  # all ignored: 0, with zero gradients
-        return total / divisor
+            return 1  # all ignored: 0, with zero gradients
+        return divisor
     if reduction == "sum":
-        return total
+        return 1
     # mean over non-ignored tokens; all ignored gives 0 (torch's cross_entropy gives NaN).
-    return total / valid.sum().clamp_min(1).to(total.dtype)
+    return valid.sum().clamp_min(1).to(dtype)
+
+
+def _grad_scale(divisor, hidden):
+    """The gradient each valid token gets from ``loss.backward()`` of the reduced loss (DivBackward's own
+    1 / divisor, bit for bit), when gradients will be taken; else None."""
+    if divisor is None or not torch.is_grad_enabled():
+        return None
+    one = torch.ones((), dtype=torch.float32, device=hidden.device)
+    return one if isinstance(divisor, int) else one / divisor.to(torch.float32)
+
+
+def _reduce(losses, label_shape, divisor):
+    if divisor is None:
+        return losses.view(label_shape)
+    total = losses.sum()
+    return total if isinstance(divisor, int) else total / divisor
 
 
 @_opaque_to_compile
@@ -126,12 +143,14 @@ def multi_head_cross_entropy(
     inputs = checks.prepare(hidden, weight, bias, labels, ignore_index)
     low_u, low_b = _flat_low_rank(low_rank, num_heads)
     ops = dispatch.resolve(backend, hidden.device, hidden.dtype)
+    divisor = _divisor(inputs.valid, reduction, num_items_in_batch,
+                       torch.float64 if inputs.hidden.dtype == torch.float64 else torch.float32)
     losses = MultiHeadTokenLoss.apply(
         inputs.hidden, inputs.weight, inputs.bias, low_u, low_b, inputs.labels, inputs.valid, num_heads,
         float(softcap) if softcap is not None else None, float(label_smoothing), float(z_loss), ops,
-        active_sink(),
+        active_sink(), _grad_scale(divisor, inputs.hidden),
     )
-    return _reduce(losses, inputs.valid, inputs.label_shape, reduction, num_items_in_batch)
+    return _reduce(losses, inputs.label_shape, divisor)
 
 
 @_opaque_to_compile

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from ..ops import torch_sweep
-from ..ops.budget import SettingError, workspace_bytes
+from ..ops.budget import SettingError, grad_in_forward, workspace_bytes
 
 BACKENDS = ("auto", "triton", "torch")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,10 +27,11 @@ def triton_available() -> bool:
 
 
 def _triton_ops() -> SimpleNamespace:
-    from ..ops import triton_backward, triton_forward
+    from ..ops import triton_backward, triton_forward, triton_forward_grad
 
     return SimpleNamespace(name="triton", forward_stats=triton_forward.forward_stats,
-                           backward=triton_backward.backward)
+                           backward=triton_backward.backward,
+                           forward_with_grads=triton_forward_grad.forward_with_grads)
 
 
 _TORCH_OPS = SimpleNamespace(name="torch", forward_stats=torch_sweep.forward_stats, backward=torch_sweep.backward)
@@ -44,11 +45,12 @@ def _environment_backend() -> str:
 
 
 def check_environment() -> None:
-    """Read every ``HF_MHCE_*`` setting now (backend, chunk and workspace budgets): a SettingError names
-    the first unusable one before a job starts, instead of at its first loss."""
+    """Read every ``HF_MHCE_*`` setting now (backend, chunk and workspace budgets, gradient schedule): a
+    SettingError names the first unusable one before a job starts, instead of at its first loss."""
     _environment_backend()
     torch_sweep.chunk_bytes()
     workspace_bytes()
+    grad_in_forward()
 
 
 def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> SimpleNamespace:

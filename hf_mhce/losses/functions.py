@@ -47,15 +47,30 @@ def _all_inputs(ctx, grads) -> tuple:
 
 
 class MultiHeadTokenLoss(torch.autograd.Function):
-    """Per-token MHCE loss [N]; the incoming gradient is per token, so every reduction is exact."""
+    """Per-token MHCE loss [N]; the incoming gradient is per token, so every reduction is exact.
+
+    ``grad_scale`` (a float32 0-dim tensor, or None): the gradient every valid token will receive when
+    the caller reduces by a mean or a sum.  With it, ops that can (``forward_with_grads``) compute the
+    gradients in the forward, and the backward only scales them by the gradient that actually arrives.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, low_u, low_b, labels, valid, num_heads, softcap, label_smoothing,
-                z_loss, ops, sink=None):
+                z_loss, ops, sink=None, grad_scale=None):
         low_rank = _pair(low_u, low_b)
+        needs = _needs(ctx, low_rank)
+        ctx.early = None
         with torch.autocast(hidden.device.type, enabled=False):
-            stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0,
-                                      need_ranks=sink is not None, low_rank=low_rank)
+            early = None
+            if grad_scale is not None and sink is None and any(needs) and hasattr(ops, "forward_with_grads"):
+                early = ops.forward_with_grads(hidden, weight, bias, labels, valid, num_heads, softcap,
+                                               label_smoothing, z_loss, grad_scale, needs, low_rank=low_rank)
+            if early is not None:
+                stats, ctx.early = early
+                ctx.grad_scale = grad_scale
+            else:
+                stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0,
+                                          need_ranks=sink is not None, low_rank=low_rank)
             losses = mixture.token_losses(
                 stats.lse, stats.target, stats.logit_sum, valid, weight.shape[0], label_smoothing, z_loss
             )
@@ -72,6 +87,11 @@ class MultiHeadTokenLoss(torch.autograd.Function):
         num_heads, softcap, label_smoothing, z_loss, ops = ctx.options
         low_rank = _pair(low_u, low_b)
         needs = _needs(ctx, low_rank)
+        early, ctx.early = ctx.early, None  # handed over once: a second backward (retain_graph) recomputes
+        if early is not None:
+            factor = _common_factor(grad_tokens, valid, ctx.grad_scale)
+            if factor is not None:
+                return _all_inputs(ctx, _scaled(early, factor, needs))
         if not any(needs):
             return _all_inputs(ctx, None)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -83,6 +103,28 @@ class MultiHeadTokenLoss(torch.autograd.Function):
                 gamma.contiguous(), num_heads, softcap, needs, low_rank=low_rank,
             )
         return _all_inputs(ctx, grads)
+
+
+def _common_factor(grad_tokens, valid, assumed) -> float | None:
+    """grad / assumed when every valid token's incoming gradient is the same ``grad`` (one host sync),
+    None when they differ (the stored gradients do not apply).  No valid token: 1 (zero gradients)."""
+    given = grad_tokens[valid].to(torch.float32)
+    if given.numel() == 0:
+        return 1.0
+    low, high = torch.stack(torch.aminmax(given)).tolist()
+    if not (low == high or (low != low and high != high)):  # NaN everywhere also scales to NaN
+        return None
+    return high / float(assumed)
+
+
+def _scaled(grads, factor, needs):
+    """The stored gradients times ``factor`` (in place: they are ours), None where not needed."""
+    out = []
+    for grad, need in zip(grads, needs):
+        if grad is not None and need and factor != 1.0:
+            grad.mul_(factor)
+        out.append(grad if need else None)
+    return tuple(out)
 
 
 class MixtureLogprobs(torch.autograd.Function):

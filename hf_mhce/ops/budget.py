@@ -1,4 +1,5 @@
-"""Memory budgets from the environment, read on every call (a test or a job may change them)."""
+"""Memory budgets and the gradient schedule from the environment, read on every call (a test or a job
+may change them)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ DEFAULT_WORKSPACE_MB = 512.0
 def workspace_bytes() -> int:
     """Bound of the Triton backward's slabs, float32 accumulators and temporaries, from ``HF_MHCE_WORKSPACE_MB``."""
     return megabytes_env("HF_MHCE_WORKSPACE_MB", DEFAULT_WORKSPACE_MB)
+
+
+def grad_in_forward() -> bool:
+    """``HF_MHCE_GRAD_IN_FORWARD``: "1" (default) lets the Triton backend compute the gradients of a mean
+    or summed loss in the forward when they fit the workspace (6NDV instead of 8NDV); "0" keeps the
+    forward to statistics and recomputes the logits in the backward."""
+    raw = os.environ.get("HF_MHCE_GRAD_IN_FORWARD", "") or "1"
+    if raw not in ("0", "1"):
+        raise SettingError(f"HF_MHCE_GRAD_IN_FORWARD must be 0 or 1, got {raw!r}")
+    return raw == "1"

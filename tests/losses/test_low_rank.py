@@ -80,28 +80,36 @@ def test_matches_widened_reference(backend, heads, rank, lead, d, v, kw):
         assert_close_scaled(g, r, rtol=1e-5, atol=default_atol(v), name=name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,grad_in_forward", [  # the torch backend has only the backward
+    pytest.param("torch", "1", id="torch"),
+    *(pytest.param("triton", g, id=f"triton-{name}", marks=pytest.mark.skipif(not HAVE_TRITON, reason="no triton"))
+      for g, name in (("1", "grads-in-forward"), ("0", "grads-in-backward")))])
 @pytest.mark.parametrize("mask", [
     (True, False, True, True, False),  # LoRA on the head of a trained body: base weight frozen
     (False, False, True, True, False),  # only the adapter trains (hidden from a frozen body)
     (False, False, False, True, False),
     (True, True, False, False, True),
 ])
-def test_needs_grad_combinations(backend, mask, monkeypatch):
+def test_needs_grad_combinations(backend, grad_in_forward, mask, monkeypatch):
+    monkeypatch.setenv("HF_MHCE_GRAD_IN_FORWARD", grad_in_forward)
     heads, rank = 2, 3
     *tensors, labels = _inputs((11,), 10, 45, heads, rank)
     requested = []
     ops = __import__("hf_mhce.losses.dispatch", fromlist=["resolve"])
     real = ops.resolve
 
-    def spy(*a, **k):
+    def spy(*a, **k):  # both entry points take ``needs`` as their eleventh argument
         ns = real(*a, **k)
-        inner = ns.backward
-
-        def backward(*args, **kwargs):
-            requested.append(args[10])
-            return inner(*args, **kwargs)
-        return type(ns)(**{**vars(ns), "backward": backward})
+        wrapped = {}
+        for name in ("backward", "forward_with_grads"):
+            if hasattr(ns, name):
+                def entry(*args, _inner=getattr(ns, name), _name=name, **kwargs):
+                    result = _inner(*args, **kwargs)
+                    if _name == "backward" or result is not None:  # None: the backward will be asked
+                        requested.append(args[10])
+                    return result
+                wrapped[name] = entry
+        return type(ns)(**{**vars(ns), **wrapped})
 
     monkeypatch.setattr(ops, "resolve", spy)
     _, got = _grads(_ours(backend, heads, labels), tensors, mask)

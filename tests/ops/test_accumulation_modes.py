@@ -40,6 +40,7 @@ class _TorchWithOutDtype:
 def test_modes_match_the_cpu_mode(mode, workspace_mb, heads, monkeypatch):
     from hf_mhce.ops import triton_backward
 
+    monkeypatch.setenv("HF_MHCE_GRAD_IN_FORWARD", "0")  # this file checks the backward's slabs
     if workspace_mb is not None:
         monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", workspace_mb)
     hidden, weight, bias, labels = make_inputs((37,), 32, 61, dtype=torch.bfloat16, bias=True, num_heads=heads,

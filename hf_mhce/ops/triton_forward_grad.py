@@ -1,0 +1,226 @@
+"""Gradients computed in the forward (training with a mean or summed loss): 6NDV FLOPs instead of 8NDV.
+
+A design that never holds the logits recomputes them in the backward (8NDV, 1.33x the 6NDV floor at
+best).  When every valid token's incoming gradient is known at forward time up to one common factor
+(the loss is a mean or a sum of the per-token losses), the forward can form dY as soon as a chunk of
+tokens has its statistics and do dX and dW at once.  The backward then scales the stored gradients by
+(incoming gradient) / (assumed gradient): exactly 1 for ``loss.backward()`` of a mean, a power of two
+under gradient accumulation or a loss scaler (exact too), one more rounding otherwise.
+
+Per chunk of tokens (all heads, the whole vocabulary), within ``HF_MHCE_WORKSPACE_MB``:
+- float32 logits z_h = X_h W_h^T (+ U_h B^T) from matmuls (cuBLAS on a GPU) into a slab [H, rows, V]
+  (rows padded to 8 entries, as cuBLAS's fast kernels need);
+- ``_row_stats_kernel``: bias and softcap, then logsumexp, target logit and logit sum of each row;
+- ``mixture.grad_coefficients``, then ``_dlogits_in_place_kernel``: dY in the input dtype, written over
+  the front of its own row of the slab (one program per row: every 16-bit store lands on bytes that the
+  row's earlier blocks already read, and a barrier orders the warps);
+- dX[chunk, head h] = dY_h W_h, written once (the chunk spans the vocabulary); dW_h = dY_h^T X_h written
+  once when one chunk holds every token, else summed in float32 (4VD bytes, counted in the workspace);
+  dU likewise per chunk, dB_low and dB summed in float32.
+Statistics round like the Triton forward's (float32 logits), not like eager's bf16 logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import mixture
+from .budget import grad_in_forward, workspace_bytes
+from .torch_sweep import SweepStats
+from .triton_backward import _aligned, _matmul_into, _zero_ignored_nonfinite, accumulation_mode
+from .triton_tile import softcap_fn
+
+# Below this many tokens per chunk the matmuls run thin (and the float32 dW is summed often): the
+# backward's slabs are the better use of a small workspace.
+MIN_ROWS = 256
+_BLOCK_V = 1024
+
+
+@triton.jit
+def _logits_block(z_row, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """The logits y at ``cols`` of a slab row of matmul outputs z: bias, then softcap."""
+    y = tl.load(z_row + cols, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        y = softcap_fn(y, softcap)
+    return y
+
+
+@triton.jit
+def _row_stats_kernel(
+    Z, B, Labels, Lse, Target, LogitSum, n0, V, stride_head, stride_row, softcap,
+    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    z_row = Z + head * stride_head + row * stride_row
+    # Per lane running max and sum (no reduction inside the loop), combined at the end.
+    m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    y_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        mask = cols < V
+        y = _logits_block(z_row, B, cols, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+        if NEED_SUM:
+            y_sum += tl.where(mask, y, 0.0)
+        y = tl.where(mask, y, float("-inf"))
+        m_new = tl.maximum(m, y)
+        base = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far (masked vocabulary): adds 0
+        s = s * tl.exp(m - base) + tl.exp(y - base)
+        m = m_new
+    top = tl.max(m, axis=0)
+    top_base = tl.where(top == float("-inf"), 0.0, top)
+    lse = top + tl.log(tl.sum(s * tl.exp(m - top_base), axis=0))
+    label = tl.load(Labels + n0 + row)
+    t_col = tl.maximum(label, 0)
+    t = tl.load(z_row + t_col)
+    if HAS_BIAS:
+        t += tl.load(B + t_col).to(tl.float32)
+    if HAS_SOFTCAP:
+        t = softcap_fn(t, softcap)
+    out = (n0 + row) * NUM_HEADS + head
+    tl.store(Lse + out, lse)
+    tl.store(Target + out, tl.where(label >= 0, t, 0.0))
+    if NEED_SUM:
+        tl.store(LogitSum + out, tl.sum(y_sum, axis=0))
+
+
+@triton.jit
+def _dlogits_in_place_kernel(
+    Z, DY, B, Labels, Lse, Alpha, Beta, Gamma, n0, V, stride_head, stride_row, dy_stride_head, dy_stride_row,
+    softcap,
+    NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    z_row = Z + head * stride_head + row * stride_row
+    dy_row = DY + head * dy_stride_head + row * dy_stride_row
+    label = tl.load(Labels + n0 + row)
+    valid = label >= 0
+    local = row * NUM_HEADS + head  # the coefficients are the chunk's, the statistics all tokens'
+    lse = tl.where(valid, tl.load(Lse + n0 * NUM_HEADS + local), 0.0)  # an ignored row's NaN stays out
+    alpha = tl.where(valid, tl.load(Alpha + local), 0.0)
+    beta = tl.where(valid, tl.load(Beta + local), 0.0)
+    gamma = tl.where(valid, tl.load(Gamma + row), 0.0)
+    for v0 in range(0, V, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
+        mask = cols < V
+        y = _logits_block(z_row, B, cols, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
+        dy = alpha * tl.exp(y - lse) - gamma - tl.where(cols == label, beta, 0.0)
+        if HAS_SOFTCAP:
+            dy *= 1.0 - (y / softcap) * (y / softcap)
+        dy = tl.where(valid, dy, 0.0)  # ignored rows: 0, even where their logits are NaN
+        # Every warp has read this block before any warp writes it: a 16-bit store of block j overlaps
+        # the float32 entries of blocks <= j / 2, which other warps read.
+        tl.debug_barrier()
+        tl.store(dy_row + cols, dy.to(DY.dtype.element_ty), mask=mask)
+
+
+def chunk_rows(n: int, v: int, d: int, num_heads: int, dtype: torch.dtype, need_dw: bool, budget: int) -> int:
+    """Tokens per chunk within ``budget`` bytes, or 0 when gradients in the forward do not fit (then the
+    forward keeps only statistics and the backward recomputes).  An eighth of the budget is kept for
+    the matmuls' temporaries; several chunks of 16-bit inputs also need the float32 dW (4VD bytes)."""
+    row_bytes = num_heads * _aligned(v) * 4
+    room = budget - budget // 8
+    if n * row_bytes <= room:
+        return n
+    if need_dw and dtype != torch.float32:
+        room -= 4 * v * d
+    rows = max(room, 0) // row_bytes
+    return rows if rows >= MIN_ROWS else 0
+
+
+def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoothing, z_loss, grad_scale, needs,
+                       low_rank=None):
+    """(SweepStats, gradients) with every valid token's incoming gradient taken as ``grad_scale`` (a
+    float32 0-dim tensor), or None when the workspace cannot hold it (see ``chunk_rows``) or
+    ``HF_MHCE_GRAD_IN_FORWARD`` is 0.
+
+    Arguments as ``triton_forward.forward_stats`` and ``triton_backward.backward`` (labels -1 for
+    ignored tokens, ``valid`` their mask); the gradients are those ``backward`` returns for ``needs``.
+    """
+    n, d = x.shape
+    v, h = w.shape[0], num_heads
+    dh = d // h
+    need_dx, need_dw, need_db = needs[:3]
+    need_du, need_dlb = needs[3:] if low_rank is not None else (False, False)
+    budget = workspace_bytes()
+    rows = chunk_rows(n, v, d, h, x.dtype, need_dw, budget)
+    if rows == 0 or not grad_in_forward():
+        return None
+    temp = budget // 8
+    f32 = {"dtype": torch.float32, "device": x.device}
+    slab = torch.empty(h, rows, _aligned(v), **f32)
+    lse, target = torch.empty(n, h, **f32), torch.empty(n, h, **f32)
+    logit_sum = torch.empty(n, h, **f32) if label_smoothing else None
+    single = rows >= n
+    dx = torch.empty_like(x) if need_dx else None
+    dw = torch.empty_like(w) if need_dw else None
+    dw_acc = torch.zeros(h, v, dh, **f32) if need_dw and not single and x.dtype != torch.float32 else None
+    db = torch.zeros(1, v, **f32) if need_db else None
+    ones = torch.ones(1, rows, dtype=x.dtype, device=x.device) if need_db else None
+    u, lb = low_rank if low_rank is not None else (None, None)
+    du = torch.empty_like(u) if need_du else None
+    dlb = torch.zeros(lb.shape, **f32) if need_dlb else None
+    x_for_dw = _zero_ignored_nonfinite(x, labels) if need_dw else x
+    u_for_dlb = _zero_ignored_nonfinite(u, labels) if need_dlb else u
+    dy_all = slab.view(x.dtype)  # dY of a row: the front of that row's bytes
+    flags = dict(NUM_HEADS=h, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_V=_BLOCK_V,
+                 num_warps=8)
+    cap = float(softcap) if softcap is not None else 1.0
+    b_arg = bias if bias is not None else lse
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        m = n1 - n0
+        z, dy = slab[:, :m, :v], dy_all[:, :m, :v]
+        for head in range(h):
+            cols = slice(head * dh, (head + 1) * dh)
+            _logits_into(z[head], x[n0:n1, cols], w[:, cols])
+            if u is not None:
+                _matmul_into(z[head], u[n0:n1, head], lb.T, True, temp)
+        _row_stats_kernel[(m, h)](
+            z, b_arg, labels, lse, target, logit_sum if logit_sum is not None else lse, n0, v,
+            z.stride(0), z.stride(1), cap, NEED_SUM=logit_sum is not None, **flags)
+        alpha, beta, gamma = mixture.grad_coefficients(
+            lse[n0:n1], target[n0:n1], valid[n0:n1], grad_scale.expand(m), v, label_smoothing, z_loss)
+        _dlogits_in_place_kernel[(m, h)](
+            z, dy, b_arg, labels, lse, alpha.contiguous(), beta.contiguous(), gamma.contiguous(), n0, v,
+            z.stride(0), z.stride(1), dy.stride(0), dy.stride(1), cap, **flags)
+        for head in range(h):
+            cols, dy_h = slice(head * dh, (head + 1) * dh), dy[head]
+            if need_dx:
+                torch.mm(dy_h, w[:, cols], out=dx[n0:n1, cols])
+            if need_dw:
+                if dw_acc is not None:
+                    _matmul_into(dw_acc[head], dy_h.T, x_for_dw[n0:n1, cols], True, temp)
+                elif n0 == 0:  # one chunk (rounded once), or float32 inputs (dW is the accumulator)
+                    torch.mm(dy_h.T, x_for_dw[n0:n1, cols], out=dw[:, cols])
+                else:
+                    dw[:, cols].addmm_(dy_h.T, x_for_dw[n0:n1, cols])
+            if need_db:
+                _matmul_into(db, ones[:, :m], dy_h, True, temp)
+            if need_du:
+                torch.mm(dy_h, lb, out=du[n0:n1, head])
+            if need_dlb:
+                _matmul_into(dlb, dy_h.T, u_for_dlb[n0:n1, head], True, temp)
+    if dw_acc is not None:
+        dw.view(v, h, dh).copy_(dw_acc.transpose(0, 1))
+    grads = (dx, dw, db[0].to(bias.dtype) if need_db else None)
+    if low_rank is not None:
+        grads += (du, dlb.to(lb.dtype) if need_dlb else None)
+    return SweepStats(lse, target, logit_sum, None), grads
+
+
+def _logits_into(z, x_h, w_h):
+    """z [rows, V] (float32, rows strided) = x_h @ w_h^T with float32 output."""
+    if x_h.dtype == torch.float32:
+        torch.mm(x_h, w_h.T, out=z)
+    elif accumulation_mode(x_h):  # cuBLAS writes float32 from 16-bit operands
+        torch.mm(x_h, w_h.T, out_dtype=torch.float32, out=z)
+    else:  # CPU, older torch: upcast copies (products of 16-bit values are exact in float32)
+        torch.mm(x_h.float(), w_h.float().T, out=z)
