@@ -70,10 +70,15 @@ case "$STAGE" in
     step gpu_suite_2pow31 python3 benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16 --out "$RECORDS"
     step gpu_suite_lora python3 benchmarks/gpu_suite.py --tokens 4096 --heads 1 4 --dtypes bfloat16 --lora-rank 16 \
       --reps 3 --out "$RECORDS"
+    # gradients in the forward (6NDV): one chunk at N = 8192, two chunks with the float32 dW at N = 16800
+    step gpu_suite_grad_in_forward python3 benchmarks/gpu_suite.py --workspace-mb 8192 --heads 1 4 --reps 3 \
+      --out "$RECORDS"
+    step gpu_suite_grad_in_forward_chunks python3 benchmarks/gpu_suite.py --workspace-mb 8192 --tokens 16800 \
+      --heads 1 --dtypes bfloat16 --reps 3 --out "$RECORDS"
     # rank ties with duplicated target rows (the target logit rounds like the sweep's tiles)
     step gpu_ties python3 benchmarks/gpu_ties.py --out "$RECORDS"
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
-    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 240 --out "$RECORDS"
+    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 200 --out "$RECORDS"
     ;;
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

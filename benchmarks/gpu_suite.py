@@ -3,10 +3,13 @@
     python benchmarks/gpu_suite.py                       # D=4096, V=128256, N=8192, fp32 + bf16, H=1,4,8
     python benchmarks/gpu_suite.py --out benchmarks/results
     python benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16   # N * V > 2^31
+    python benchmarks/gpu_suite.py --workspace-mb 8192 --heads 1 4   # gradients in the forward
 
 For every (dtype, H): the Triton backend's loss, dX, dW and dB against a float64 reference (the
 chunked torch backend run in float64 on the same device, itself checked against a materialised
-reference by the CPU tests), the same-dtype eager error for 16-bit inputs (logits materialised in
+reference by the CPU tests), which schedule ran (``grads``: "forward" when the gradients were computed
+in the forward, "backward" when the backward recomputed the logits; ``--workspace-mb`` sets
+HF_MHCE_WORKSPACE_MB, which decides it), the same-dtype eager error for 16-bit inputs (logits materialised in
 the input dtype, then float32 cross-entropy, as transformers does), forward+backward time and peak
 extra memory.  Writes a markdown table and JSON named <device>-<date>-gpu-suite (records.py's naming
 rule).  ``TRITON_INTERPRET=1 python benchmarks/gpu_suite.py --device cpu --small`` runs it at small
@@ -19,6 +22,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import time
 
 import torch
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 from records import DTYPES, Record, add_out_options, check_device, device_label, positive_int
 
 from hf_mhce import multi_head_cross_entropy
+from hf_mhce.ops.budget import grad_in_forward, workspace_bytes
 
 
 def rel(a, b):
@@ -81,7 +86,12 @@ def run_case(n, v, d, heads, dtype, device, reps, rank=0):
     ref = grads(torch.float64, lambda *ts: ours("torch", *ts))
     got = grads(dtype, lambda *ts: ours("triton", *ts))
     keep = [i for i, r in enumerate(ref) if r is not None]
+    from hf_mhce.ops.triton_forward_grad import chunk_rows  # triton: imported where the kernels run
+
+    needs_dw = not rank  # the LoRA rows freeze the base weight
+    early = grad_in_forward() and chunk_rows(n, v, d, heads, dtype, needs_dw, workspace_bytes()) > 0
     row = {"dtype": str(dtype).replace("torch.", ""), "heads": heads, **({"lora_rank": rank} if rank else {}),
+           "grads": "forward" if early else "backward",
            **{f"err_{names[i]}": rel(got[i], ref[i]) for i in keep}}
     try:  # eager materialises H [N, V] float32 log-softmaxes: H = 8 at the default shape is over 80 GB
         if dtype != torch.float32:
@@ -135,8 +145,12 @@ def main(argv=None):
     p.add_argument("--reps", type=positive_int, default=5)
     p.add_argument("--lora-rank", type=int, default=0,
                    help="add a LoRA-style low-rank pair of this rank, base weight frozen (the low_rank path)")
+    p.add_argument("--workspace-mb", type=float, help="HF_MHCE_WORKSPACE_MB for this run (default: as set, or 512)")
     add_out_options(p)
     args = p.parse_args(argv)
+    if args.workspace_mb is not None:
+        os.environ["HF_MHCE_WORKSPACE_MB"] = str(args.workspace_mb)
+        workspace_bytes()  # a bad value stops here, naming the variable
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be 0 (none) or positive, got {args.lora_rank}")
     device = check_device(p, args)
@@ -149,6 +163,7 @@ def main(argv=None):
                     + (f"-lora{args.lora_rank}" if args.lora_rank else ""), named={"lora_rank"})
     rows = []
     lora = f", LoRA-style low-rank pair r={args.lora_rank} with the base weight frozen" if args.lora_rank else ""
+    lora += f", HF_MHCE_WORKSPACE_MB={workspace_bytes() / 2**20:g}"
     for dt in args.dtypes:
         for h in args.heads:
             row = run_case(n, v, d, h, getattr(torch, dt), device, args.reps, args.lora_rank)

@@ -47,7 +47,7 @@ def test_demo_with_few_tokens_keeps_targets(capsys):
                                      ["train", "--max_steps", "1", "--output_dir", "unused"],
                                      ["rbe", "some/model", "--dataset", "x.txt"]])
 @pytest.mark.parametrize("name,value", [("HF_MHCE_CHUNK_MB", "abc"), ("HF_MHCE_WORKSPACE_MB", "-1"),
-                                        ("HF_MHCE_BACKEND", "cuda")])
+                                        ("HF_MHCE_BACKEND", "cuda"), ("HF_MHCE_GRAD_IN_FORWARD", "yes")])
 def test_a_bad_environment_setting_is_one_line_before_any_work(command, name, value, monkeypatch, capsys):
     """An unusable HF_MHCE_* value was a traceback from inside the first loss (demo), or after the data
     were read (train): every command now says which variable, and stops at once.  Help still prints."""

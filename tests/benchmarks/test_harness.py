@@ -23,7 +23,8 @@ BF16_TOL = 1e-2  # relative L2 of bf16 dX / dW against float32/float64 reference
 RUNS = {
     # 9 tokens: one partial row block (the interpreter's time grows with the blocks; kernels are checked in tests/ops)
     "peers": ["peers", "--device", "cpu", "--small", "--tokens", "9", "--reps", "1", "--rotate", "1", "--variants",
-              "hf_eager", "liger", "hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_mhce4", "hf_mhce_ranks", "slab_fwdgrad"],
+              "hf_eager", "liger", "hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast", "hf_mhce_mhce4", "hf_mhce_ranks",
+              "slab_fwdgrad"],
     # V = 263: 9 vocabulary tiles under the interpreter (BLOCK_V 32), the last partial, like every tiny shape here
     **{f"gpu_suite_{name}": ["gpu_suite", "--device", "cpu", "--small", "--tokens", "21", "--vocab", "263",
                              "--hidden", "24", "--heads", "2", "--dtypes", "float32", "bfloat16", "--reps", "1",
@@ -55,7 +56,8 @@ def _run(run_all, name: str) -> list[dict]:
 
 
 def test_peers_table(run_all):
-    variants = ["hf_eager", "liger", "hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_mhce4", "hf_mhce_ranks", "slab_fwdgrad"]
+    variants = ["hf_eager", "liger", "hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast", "hf_mhce_mhce4", "hf_mhce_ranks",
+                "slab_fwdgrad"]
     assert RUNS["peers"][-len(variants):] == variants
     rows = _run(run_all, "peers")
     by_name = {r["variant"]: r for r in rows}
