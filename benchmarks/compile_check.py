@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from hf_mhce.ops import triton_backward, triton_forward  # noqa: E402
+from hf_mhce.ops import triton_backward, triton_forward, triton_forward_grad  # noqa: E402
 from hf_mhce.ops.triton_tile import _HOPPER_16BIT, override_tiles  # noqa: E402
 
 TARGETS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}  # capability, shared memory per block (bytes)
@@ -120,6 +120,9 @@ def drive(dtype, heads, bias, softcap, low_rank, ranks, n=300, d=512, v=1000):
     stat = torch.zeros(n, heads)
     needs = (True, True, bias, True, True) if low_rank else (True, True, bias)
     triton_backward.backward(x, w, b, labels, stat, stat, stat, stat, heads, softcap, needs, low_rank=lr)
+    grads = triton_forward_grad.forward_with_grads(x, w, b, labels, labels >= 0, heads, softcap, 0.1, 0.0,
+                                                   torch.ones(()), needs, low_rank=lr)  # one chunk: it fits
+    assert grads is not None, "the gradients-in-forward kernels were not launched"
 
 
 def check(variants, archs, tiles=None, only=None) -> list[dict]:

@@ -171,7 +171,7 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     u_for_dlb = _zero_ignored_nonfinite(u, labels) if need_dlb else u
     dy_all = slab.view(x.dtype)  # dY of a row: the front of that row's bytes
     flags = dict(NUM_HEADS=h, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_V=_BLOCK_V,
-                 num_warps=8)
+                 num_warps=8, enable_fp_fusion=True)  # stated, as dot_settings does for the tile kernels
     cap = float(softcap) if softcap is not None else 1.0
     b_arg = bias if bias is not None else lse
     for n0 in range(0, n, rows):

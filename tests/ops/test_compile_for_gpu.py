@@ -22,10 +22,11 @@ def test_every_kernel_variant_compiles_for_hopper_and_ampere(tmp_path):
     assert "TRITON_DEFAULT_FP_FUSION" not in proc.stderr, proc.stderr[-2000:]
     rows = json.loads(next(tmp_path.glob("compile-check-*.json")).read_text())
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"target_kernel", "forward_kernel", "mixture_rank_kernel", "dlogits_kernel"}, kernels
+    tiles = {"target_kernel", "forward_kernel", "mixture_rank_kernel", "dlogits_kernel"}  # matmul tiles inside
+    assert kernels == tiles | {"row_stats_kernel", "dlogits_in_place_kernel"}, kernels  # row passes on a slab
     assert {r["arch"] for r in rows} == {"sm_90a", "sm_80"}
     for r in rows:
         assert "error" not in r and r["shared_fits"], r
         assert 0 < r["registers"] <= 255, r
-        if not r["variant"].endswith("fp32"):  # 16-bit inputs run on tensor cores: wgmma on Hopper
+        if r["kernel"] in tiles and not r["variant"].endswith("fp32"):  # 16-bit inputs run on tensor cores: wgmma on Hopper
             assert (r["wgmma"] > 0) if r["arch"] == "sm_90a" else (r["mma_sync"] > 0), r
