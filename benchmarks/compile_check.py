@@ -121,8 +121,8 @@ def drive(dtype, heads, bias, softcap, low_rank, ranks, n=300, d=512, v=1000):
     needs = (True, True, bias, True, True) if low_rank else (True, True, bias)
     triton_backward.backward(x, w, b, labels, stat, stat, stat, stat, heads, softcap, needs, low_rank=lr)
     grads = triton_forward_grad.forward_with_grads(x, w, b, labels, labels >= 0, heads, softcap, 0.1, 0.0,
-                                                   torch.ones(()), needs, low_rank=lr)  # one chunk: it fits
-    assert grads is not None, "the gradients-in-forward kernels were not launched"
+                                                   torch.ones(()), needs, low_rank=lr)  # one chunk fits
+    assert (grads is None) == (dtype == torch.float16), "gradients in the forward: launched unless fp16"
 
 
 def check(variants, archs, tiles=None, only=None) -> list[dict]:

@@ -55,6 +55,7 @@ def check_environment() -> None:
 
 def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> SimpleNamespace:
     """The ops namespace (forward_stats, backward) to use for tensors on ``device`` of ``dtype``."""
+    grad_in_forward()  # read on every call: a bad value is named whichever schedule this call takes
     name = backend if backend is not None else _environment_backend()
     if not isinstance(name, str) or name.lower() not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} (argument or HF_MHCE_BACKEND), got {name!r}")

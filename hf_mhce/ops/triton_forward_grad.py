@@ -138,8 +138,8 @@ def chunk_rows(n: int, v: int, d: int, num_heads: int, dtype: torch.dtype, need_
 def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoothing, z_loss, grad_scale, needs,
                        low_rank=None):
     """(SweepStats, gradients) with every valid token's incoming gradient taken as ``grad_scale`` (a
-    float32 0-dim tensor), or None when the workspace cannot hold it (see ``chunk_rows``) or
-    ``HF_MHCE_GRAD_IN_FORWARD`` is 0.
+    float32 0-dim tensor), or None when the workspace cannot hold it (see ``chunk_rows``),
+    ``HF_MHCE_GRAD_IN_FORWARD`` is 0, or the inputs are fp16.
 
     Arguments as ``triton_forward.forward_stats`` and ``triton_backward.backward`` (labels -1 for
     ignored tokens, ``valid`` their mask); the gradients are those ``backward`` returns for ``needs``.
@@ -149,9 +149,13 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     dh = d // h
     need_dx, need_dw, need_db = needs[:3]
     need_du, need_dlb = needs[3:] if low_rank is not None else (False, False)
+    if not grad_in_forward() or x.dtype == torch.float16:
+        # fp16: dY formed at the assumed gradient (1 / tokens) would underflow where a loss scaler's factor,
+        # known only in the backward, keeps the recompute schedule's dY in range
+        return None
     budget = workspace_bytes()
     rows = chunk_rows(n, v, d, h, x.dtype, need_dw, budget)
-    if rows == 0 or not grad_in_forward():
+    if rows == 0:
         return None
     temp = budget // 8
     f32 = {"dtype": torch.float32, "device": x.device}
