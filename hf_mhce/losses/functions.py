@@ -111,10 +111,10 @@ def _common_factor(grad_tokens, valid, assumed) -> float | None:
     given = grad_tokens[valid].to(torch.float32)
     if given.numel() == 0:
         return 1.0
-    low, high = torch.stack(torch.aminmax(given)).tolist()
+    low, high, assumed = torch.stack([*torch.aminmax(given), assumed.to(given)]).tolist()
     if not (low == high or (low != low and high != high)):  # NaN everywhere also scales to NaN
         return None
-    return high / float(assumed)
+    return high / assumed
 
 
 def _scaled(grads, factor, needs):
