@@ -123,6 +123,8 @@ def drive(dtype, heads, bias, softcap, low_rank, ranks, n=300, d=512, v=1000):
     grads = triton_forward_grad.forward_with_grads(x, w, b, labels, labels >= 0, heads, softcap, 0.1, 0.0,
                                                    torch.ones(()), needs, low_rank=lr)  # one chunk fits
     assert (grads is None) == (dtype == torch.float16), "gradients in the forward: launched unless fp16"
+    triton_forward_grad.slab_forward_stats(x, w, b, labels, heads, softcap, True, need_ranks=ranks and heads == 1,
+                                           low_rank=lr)
 
 
 def check(variants, archs, tiles=None, only=None) -> list[dict]:

@@ -24,6 +24,9 @@ Variants (bf16 inputs, float32 loss):
   hf_mhce_ce_fast   the same with HF_MHCE_WORKSPACE_MB=8192: gradients in the forward (6NDV, more memory)
   hf_mhce_mhce4/8   hf_mhce.multi_head_cross_entropy with H = 4 / 8 (hf_mhce_mhce4_fast: 8192 MB as above)
   hf_mhce_ranks     hf_mhce CE forward under collect_ranks (evaluation: forward only)
+  slab_stats        candidate evaluation forward: cuBLAS float32 logit slabs and a row kernel
+                    (triton_forward_grad.slab_forward_stats), against hf_mhce_ce's tile forward
+  slab_ranks        the same with the target's rank in the row pass, against hf_mhce_ranks
   slab_vocab        prototype: cuBLAS on float32 logit slabs per vocabulary slice, 8NDV (slab_prototype.py)
   slab_fwdgrad      prototype: gradients in the forward per token chunk, float32 dW, 6NDV (slab_prototype.py)
 Every variant's loss, and its dX and dW, are compared with float32 references of the same loss (hf_mhce's
@@ -53,6 +56,7 @@ OURS = ("hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast", "hf_mhce_mhce4", "hf
 ENVIRONMENT = {"hf_mhce_ce_lean": {"HF_MHCE_WORKSPACE_MB": "64"},  # set while the variant runs
                "hf_mhce_ce_fast": {"HF_MHCE_WORKSPACE_MB": "8192"},
                "hf_mhce_mhce4_fast": {"HF_MHCE_WORKSPACE_MB": "8192"}}
+CANDIDATES = ("slab_stats", "slab_ranks")  # forward only, measured before a default uses them
 PROTOTYPES = ("slab_vocab", "slab_fwdgrad")
 
 
@@ -108,6 +112,19 @@ def make_variant(name: str, device: torch.device):
     if name.startswith("hf_mhce_mhce"):
         heads = heads_of(name)
         return (lambda x, w, y: hf_mhce.multi_head_cross_entropy(x, w, y, heads, backend="triton")), False
+    if name in CANDIDATES:
+        from hf_mhce.ops import mixture, triton_forward_grad
+
+        def slab_forward(x, w, y):
+            labels = torch.where(y == -100, -1, y)  # the ops' encoding of ignored tokens
+            stats = triton_forward_grad.slab_forward_stats(x, w, None, labels, 1, None, False,
+                                                           need_ranks=name == "slab_ranks")
+            if stats is None:
+                raise Unavailable("a chunk of MIN_ROWS tokens does not fit HF_MHCE_WORKSPACE_MB")
+            valid = labels >= 0
+            losses = mixture.token_losses(stats.lse, stats.target, None, valid, w.shape[0], 0.0, 0.0)
+            return losses.sum() / valid.sum().clamp_min(1)
+        return slab_forward, True
     if name in PROTOTYPES:
         import slab_prototype
 
@@ -347,13 +364,14 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), help=f"default: {' '.join(SHAPES)} (--small: its own tiny shape)")
     p.add_argument("--tokens", type=positive_int, nargs="+", help="default: 4096 16384 32768 (--small: 37 64)")
     # the prototypes only on request: hf_mhce_ce (8NDV) and hf_mhce_ce_fast (6NDV) are their designs, built
-    p.add_argument("--variants", nargs="+", default=[*PEERS, *OURS], choices=[*PEERS, *OURS, *PROTOTYPES])
+    p.add_argument("--variants", nargs="+", default=[*PEERS, *OURS, *CANDIDATES],
+                   choices=[*PEERS, *OURS, *CANDIDATES, *PROTOTYPES])
     add_device_options(p, reps=5)
     p.add_argument("--rotate", type=positive_int, default=3, help="input sets cycled through (cache fairness)")
     args = p.parse_args(argv)
     if args.small and args.shapes:
         p.error("--small runs its own tiny shape; leave out --shapes")
-    device = check_device(p, args, triton=any(v in OURS for v in args.variants))
+    device = check_device(p, args, triton=any(v in OURS or v in CANDIDATES for v in args.variants))
     dtype = getattr(torch, args.dtype)
     shapes = SMALL if args.small else {k: SHAPES[k] for k in args.shapes or SHAPES}
     tokens = args.tokens or ([37, 64] if args.small else [4096, 16384, 32768])

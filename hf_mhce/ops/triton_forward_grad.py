@@ -51,13 +51,22 @@ def _logits_block(z_row, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOF
 
 @triton.jit
 def _row_stats_kernel(
-    Z, B, Labels, Lse, Target, LogitSum, n0, V, stride_head, stride_row, softcap,
+    Z, B, Labels, Lse, Target, LogitSum, Ranks, n0, V, stride_head, stride_row, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    NEED_RANKS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     z_row = Z + head * stride_head + row * stride_row
+    # The target logit first, read off the slab: it rounds as its row's entries do (exact rank ties).
+    label = tl.load(Labels + n0 + row)
+    t_col = tl.maximum(label, 0)
+    t = tl.load(z_row + t_col)
+    if HAS_BIAS:
+        t += tl.load(B + t_col).to(tl.float32)
+    if HAS_SOFTCAP:
+        t = softcap_fn(t, softcap)
+    rank = tl.zeros([BLOCK_V], dtype=tl.int64)
     # Per lane running max and sum (no reduction inside the loop), combined at the end.
     m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_V], dtype=tl.float32)
@@ -73,21 +82,18 @@ def _row_stats_kernel(
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far (masked vocabulary): adds 0
         s = s * tl.exp(m - base) + tl.exp(y - base)
         m = m_new
+        if NEED_RANKS:  # one head: entries j != t above the target (masked columns are -inf)
+            rank += ((y > t) & (cols != label)).to(tl.int64)
     top = tl.max(m, axis=0)
     top_base = tl.where(top == float("-inf"), 0.0, top)
     lse = top + tl.log(tl.sum(s * tl.exp(m - top_base), axis=0))
-    label = tl.load(Labels + n0 + row)
-    t_col = tl.maximum(label, 0)
-    t = tl.load(z_row + t_col)
-    if HAS_BIAS:
-        t += tl.load(B + t_col).to(tl.float32)
-    if HAS_SOFTCAP:
-        t = softcap_fn(t, softcap)
     out = (n0 + row) * NUM_HEADS + head
     tl.store(Lse + out, lse)
     tl.store(Target + out, tl.where(label >= 0, t, 0.0))
     if NEED_SUM:
         tl.store(LogitSum + out, tl.sum(y_sum, axis=0))
+    if NEED_RANKS:
+        tl.store(Ranks + n0 + row, tl.sum(rank, axis=0))
 
 
 @triton.jit
@@ -182,14 +188,10 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
         n1 = min(n, n0 + rows)
         m = n1 - n0
         z, dy = slab[:, :m, :v], dy_all[:, :m, :v]
-        for head in range(h):
-            cols = slice(head * dh, (head + 1) * dh)
-            _logits_into(z[head], x[n0:n1, cols], w[:, cols])
-            if u is not None:
-                _matmul_into(z[head], u[n0:n1, head], lb.T, True, temp)
+        _chunk_logits(z, x, w, low_rank, n0, n1, temp)
         _row_stats_kernel[(m, h)](
-            z, b_arg, labels, lse, target, logit_sum if logit_sum is not None else lse, n0, v,
-            z.stride(0), z.stride(1), cap, NEED_SUM=logit_sum is not None, **flags)
+            z, b_arg, labels, lse, target, logit_sum if logit_sum is not None else lse, labels, n0, v,
+            z.stride(0), z.stride(1), cap, NEED_SUM=logit_sum is not None, NEED_RANKS=False, **flags)
         alpha, beta, gamma = mixture.grad_coefficients(
             lse[n0:n1], target[n0:n1], valid[n0:n1], grad_scale.expand(m), v, label_smoothing, z_loss)
         _dlogits_in_place_kernel[(m, h)](
@@ -218,6 +220,46 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     if low_rank is not None:
         grads += (du, dlb.to(lb.dtype) if need_dlb else None)
     return SweepStats(lse, target, logit_sum, None), grads
+
+
+def slab_forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False, low_rank=None):
+    """``triton_forward.forward_stats`` from cuBLAS logit slabs and ``_row_stats_kernel`` (ranks: one
+    head, in the same pass), or None when a chunk of MIN_ROWS tokens does not fit the workspace or
+    ranks under several heads are asked for.  A candidate for the statistics-only forward, measured
+    beside the tile kernels by benchmarks/peers.py before it is used by default (NOTES change 8)."""
+    n, d = x.shape
+    v, h = w.shape[0], num_heads
+    budget = workspace_bytes()
+    rows = chunk_rows(n, v, d, h, x.dtype, False, budget)
+    if rows == 0 or (need_ranks and h > 1):
+        return None
+    f32 = {"dtype": torch.float32, "device": x.device}
+    slab = torch.empty(h, rows, _aligned(v), **f32)
+    lse, target = torch.empty(n, h, **f32), torch.empty(n, h, **f32)
+    logit_sum = torch.empty(n, h, **f32) if need_logit_sum else None
+    ranks = torch.empty(n, dtype=torch.int64, device=x.device) if need_ranks else None
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        z = slab[:, : n1 - n0, :v]
+        _chunk_logits(z, x, w, low_rank, n0, n1, budget // 8)
+        _row_stats_kernel[(n1 - n0, h)](
+            z, bias if bias is not None else lse, labels, lse, target, logit_sum if need_logit_sum else lse,
+            ranks if need_ranks else labels, n0, v, z.stride(0), z.stride(1),
+            float(softcap) if softcap is not None else 1.0, NUM_HEADS=h, HAS_BIAS=bias is not None,
+            HAS_SOFTCAP=softcap is not None, NEED_SUM=need_logit_sum, NEED_RANKS=need_ranks, BLOCK_V=_BLOCK_V,
+            num_warps=8, enable_fp_fusion=True)
+    return SweepStats(lse, target, logit_sum, ranks)
+
+
+def _chunk_logits(z, x, w, low_rank, n0, n1, temp):
+    """z [H, rows, V] (float32) = each head's logits of tokens n0:n1 before bias and softcap."""
+    h = z.shape[0]
+    dh = x.shape[1] // h
+    for head in range(h):
+        cols = slice(head * dh, (head + 1) * dh)
+        _logits_into(z[head], x[n0:n1, cols], w[:, cols])
+        if low_rank is not None:
+            _matmul_into(z[head], low_rank[0][n0:n1, head], low_rank[1].T, True, temp)
 
 
 def _logits_into(z, x_h, w_h):

@@ -18,6 +18,10 @@ BACKENDS = ["torch", "triton"]
 def _forward_stats(backend):
     if backend == "torch":
         return torch_sweep.forward_stats
+    if backend == "slab":  # cuBLAS logit slabs and a row kernel (one head): the candidate forward
+        from hf_mhce.ops import triton_forward_grad
+
+        return triton_forward_grad.slab_forward_stats
     from hf_mhce.ops import triton_forward
 
     return triton_forward.forward_stats
@@ -36,7 +40,7 @@ def brute_force_ranks(x, w, bias, labels, heads):
     return above.sum(-1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, "slab"])
 @pytest.mark.parametrize("n,v,d", [(1, 7, 16), (37, 61, 16), (20, 150, 32)])
 def test_one_head_ranks_with_integer_ties(backend, n, v, d):
     # Small integers: every dot product is exact in float32, so the many equal logits are true ties.
