@@ -257,16 +257,22 @@ def _chunk_logits(z, x, w, low_rank, n0, n1, temp):
     dh = x.shape[1] // h
     for head in range(h):
         cols = slice(head * dh, (head + 1) * dh)
-        _logits_into(z[head], x[n0:n1, cols], w[:, cols])
+        _logits_into(z[head], x[n0:n1, cols], w[:, cols], temp)
         if low_rank is not None:
             _matmul_into(z[head], low_rank[0][n0:n1, head], low_rank[1].T, True, temp)
 
 
-def _logits_into(z, x_h, w_h):
-    """z [rows, V] (float32, rows strided) = x_h @ w_h^T with float32 output."""
+def _logits_into(z, x_h, w_h, temp):
+    """z [rows, V] (float32, rows strided) = x_h @ w_h^T with float32 output; temporaries of at most
+    about ``temp`` bytes where torch cannot write a float32 product of 16-bit operands into z."""
+    mode = accumulation_mode(x_h)
     if x_h.dtype == torch.float32:
         torch.mm(x_h, w_h.T, out=z)
-    elif accumulation_mode(x_h):  # cuBLAS writes float32 from 16-bit operands
+    elif mode == "addmm":  # cuBLAS writes float32 from 16-bit operands into z (the probe tried a strided out)
         torch.mm(x_h, w_h.T, out_dtype=torch.float32, out=z)
+    elif mode == "mm":  # mm(out_dtype=) without out=: row blocks, copied in
+        step = max(1, temp // (4 * max(z.shape[1], 1)))
+        for r0 in range(0, z.shape[0], step):
+            z[r0:r0 + step] = torch.mm(x_h[r0:r0 + step], w_h.T, out_dtype=torch.float32)
     else:  # CPU, older torch: upcast copies (products of 16-bit values are exact in float32)
         torch.mm(x_h.float(), w_h.float().T, out=z)

@@ -33,6 +33,19 @@ class _TorchWithOutDtype:
         return c.add_(a.float() @ b.float())
 
 
+def _grads(hidden, weight, bias, labels, heads):
+    x, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    hf_mhce.multi_head_cross_entropy(x, w, labels, heads, bias=b, label_smoothing=0.1, backend="triton").backward()
+    return x.grad, w.grad, b.grad
+
+
+def _assert_within_an_ulp(got, want):
+    for name, g, r in zip(["dX", "dW", "dB"], got, want):
+        # float32 sums in another order, then one bf16 rounding: equal up to an ulp here and there
+        assert_close_scaled(g, r, rtol=1e-2, atol=1e-2, name=name)
+        assert (g.float() - r.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * r.float().abs().max()
+
+
 @requires_triton
 @pytest.mark.parametrize("mode", ["addmm", "mm"])
 @pytest.mark.parametrize("workspace_mb", [None, "0.001"], ids=["fused", "split"])  # split: both passes accumulate
@@ -47,9 +60,7 @@ def test_modes_match_the_cpu_mode(mode, workspace_mb, heads, monkeypatch):
                                                ignore_frac=0.2, logit_std=3.0)
 
     def grads():
-        x, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
-        hf_mhce.multi_head_cross_entropy(x, w, labels, heads, bias=b, label_smoothing=0.1, backend="triton").backward()
-        return x.grad, w.grad, b.grad
+        return _grads(hidden, weight, bias, labels, heads)
 
     want = grads()
     stand_in = _TorchWithOutDtype()
@@ -57,7 +68,58 @@ def test_modes_match_the_cpu_mode(mode, workspace_mb, heads, monkeypatch):
     monkeypatch.setattr(triton_backward, "accumulation_mode", lambda t: mode)
     got = grads()
     assert stand_in.calls["addmm" if mode == "addmm" and heads == 1 else "mm"] > 0, stand_in.calls
-    for name, g, r in zip(["dX", "dW", "dB"], got, want):
-        # float32 sums in another order, then one bf16 rounding: equal up to an ulp here and there
-        assert_close_scaled(g, r, rtol=1e-2, atol=1e-2, name=name)
-        assert (g.float() - r.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * r.float().abs().max()
+    _assert_within_an_ulp(got, want)
+
+
+class _TorchWithOutDtypeOut(_TorchWithOutDtype):
+    """The stand-in, with mm also writing a float32 product into a (row-strided) out, as on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls["mm_out"] = 0
+
+    def mm(self, a, b, out=None, out_dtype=None):
+        if out_dtype is None or out is None:
+            return super().mm(a, b, out=out, out_dtype=out_dtype)
+        assert out.dtype == torch.float32 and out.stride(1) == 1
+        self.calls["mm_out"] += 1
+        return out.copy_(a.float() @ b.float())
+
+
+@requires_triton
+@pytest.mark.parametrize("mode", ["addmm", "mm"])
+@pytest.mark.parametrize("chunks", ["one", "several"])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_gradients_in_the_forward_match_the_cpu_mode(mode, chunks, heads, monkeypatch):
+    """The same for the gradients-in-forward schedule: float32 logits written into the slab (mm with out=,
+    or row blocks copied in with "mm"), and the float32 dW summed over chunks."""
+    from hf_mhce.ops import triton_backward, triton_forward_grad
+
+    monkeypatch.delenv("HF_MHCE_GRAD_IN_FORWARD", raising=False)
+    if chunks == "several":  # room for the float32 dW (61 x 32 x 4 bytes) and 6 tokens a chunk
+        monkeypatch.setattr(triton_forward_grad, "MIN_ROWS", 4)
+        room = 61 * 32 * 4 + 6 * heads * 64 * 4
+        monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", repr((room * 8 // 7 + 8) / 2**20))
+        assert triton_forward_grad.chunk_rows(37, 61, 32, heads, torch.bfloat16, True,
+                                              triton_forward_grad.workspace_bytes()) == 6
+    hidden, weight, bias, labels = make_inputs((37,), 32, 61, dtype=torch.bfloat16, bias=True, num_heads=heads,
+                                               ignore_frac=0.2, logit_std=3.0)
+    taken = []
+    real = triton_forward_grad.forward_with_grads
+    monkeypatch.setattr(triton_forward_grad, "forward_with_grads",
+                        lambda *a, **k: taken.append(real(*a, **k)) or taken[-1])
+
+    def grads():
+        return _grads(hidden, weight, bias, labels, heads)
+
+    want = grads()
+    stand_in = _TorchWithOutDtypeOut()
+    for module in (triton_backward, triton_forward_grad):
+        monkeypatch.setattr(module, "torch", stand_in)
+        monkeypatch.setattr(module, "accumulation_mode", lambda t: mode)
+    got = grads()
+    assert all(t is not None for t in taken) and len(taken) == 2, "the schedule must run both times"
+    assert stand_in.calls["mm_out" if mode == "addmm" else "mm"] > 0, stand_in.calls
+    if chunks == "several":
+        assert stand_in.calls["addmm" if mode == "addmm" else "mm"] > 0, stand_in.calls
+    _assert_within_an_ulp(got, want)
