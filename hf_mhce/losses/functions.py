@@ -59,14 +59,14 @@ class MultiHeadTokenLoss(torch.autograd.Function):
                 z_loss, ops, sink=None, grad_scale=None):
         low_rank = _pair(low_u, low_b)
         needs = _needs(ctx, low_rank)
-        ctx.early = None
+        ctx.precomputed_grads = None
         with torch.autocast(hidden.device.type, enabled=False):
             early = None
             if grad_scale is not None and sink is None and any(needs) and hasattr(ops, "forward_with_grads"):
                 early = ops.forward_with_grads(hidden, weight, bias, labels, valid, num_heads, softcap,
                                                label_smoothing, z_loss, grad_scale, needs, low_rank=low_rank)
             if early is not None:
-                stats, ctx.early = early
+                stats, ctx.precomputed_grads = early
                 ctx.grad_scale = grad_scale
             else:
                 stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0,
@@ -87,7 +87,7 @@ class MultiHeadTokenLoss(torch.autograd.Function):
         num_heads, softcap, label_smoothing, z_loss, ops = ctx.options
         low_rank = _pair(low_u, low_b)
         needs = _needs(ctx, low_rank)
-        early, ctx.early = ctx.early, None  # handed over once: a second backward (retain_graph) recomputes
+        early, ctx.precomputed_grads = ctx.precomputed_grads, None  # once: a second backward (retain_graph) recomputes
         if early is not None:
             factor = _common_factor(grad_tokens, valid, ctx.grad_scale)
             if factor is not None:
@@ -108,10 +108,12 @@ class MultiHeadTokenLoss(torch.autograd.Function):
 def _common_factor(grad_tokens, valid, assumed) -> float | None:
     """grad / assumed when every valid token's incoming gradient is the same ``grad`` (one host sync),
     None when they differ (the stored gradients do not apply).  No valid token: 1 (zero gradients)."""
-    given = grad_tokens[valid].to(torch.float32)
-    if given.numel() == 0:
+    given = grad_tokens.to(torch.float32)
+    inf = torch.tensor(float("inf"), device=given.device)
+    low, high, count, assumed = torch.stack([torch.where(valid, given, inf).min(), torch.where(valid, given, -inf).max(),
+                                             valid.sum().to(given), assumed.to(given)]).tolist()
+    if count == 0:
         return 1.0
-    low, high, assumed = torch.stack([*torch.aminmax(given), assumed.to(given)]).tolist()
     if not (low == high or (low != low and high != high)):  # NaN everywhere also scales to NaN
         return None
     return high / assumed

@@ -155,7 +155,7 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     dh = d // h
     need_dx, need_dw, need_db = needs[:3]
     need_du, need_dlb = needs[3:] if low_rank is not None else (False, False)
-    if not grad_in_forward() or x.dtype == torch.float16:
+    if not grad_in_forward() or x.dtype == torch.float16 or not _slabs_apply(x):
         # fp16: dY formed at the assumed gradient (1 / tokens) would underflow where a loss scaler's factor,
         # known only in the backward, keeps the recompute schedule's dY in range
         return None
@@ -172,8 +172,7 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty_like(w) if need_dw else None
     dw_acc = torch.zeros(h, v, dh, **f32) if need_dw and not single and x.dtype != torch.float32 else None
-    db = torch.zeros(1, v, **f32) if need_db else None
-    ones = torch.ones(1, rows, dtype=x.dtype, device=x.device) if need_db else None
+    db = torch.zeros(v, **f32) if need_db else None
     u, lb = low_rank if low_rank is not None else (None, None)
     du = torch.empty_like(u) if need_du else None
     dlb = torch.zeros(lb.shape, **f32) if need_dlb else None
@@ -208,15 +207,15 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
                     torch.mm(dy_h.T, x_for_dw[n0:n1, cols], out=dw[:, cols])
                 else:
                     dw[:, cols].addmm_(dy_h.T, x_for_dw[n0:n1, cols])
-            if need_db:
-                _matmul_into(db, ones[:, :m], dy_h, True, temp)
+            if need_db:  # column sums of the rounded dY, as eager's dB, in float32
+                db += dy_h.sum(0, dtype=torch.float32)
             if need_du:
                 torch.mm(dy_h, lb, out=du[n0:n1, head])
             if need_dlb:
                 _matmul_into(dlb, dy_h.T, u_for_dlb[n0:n1, head], True, temp)
     if dw_acc is not None:
         dw.view(v, h, dh).copy_(dw_acc.transpose(0, 1))
-    grads = (dx, dw, db[0].to(bias.dtype) if need_db else None)
+    grads = (dx, dw, db.to(bias.dtype) if need_db else None)
     if low_rank is not None:
         grads += (du, dlb.to(lb.dtype) if need_dlb else None)
     return SweepStats(lse, target, logit_sum, None), grads
@@ -226,12 +225,12 @@ def slab_forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, n
     """``triton_forward.forward_stats`` from cuBLAS logit slabs and ``_row_stats_kernel`` (ranks: one
     head, in the same pass), or None when a chunk of MIN_ROWS tokens does not fit the workspace or
     ranks under several heads are asked for.  A candidate for the statistics-only forward, measured
-    beside the tile kernels by benchmarks/peers.py before it is used by default (NOTES change 8)."""
+    beside the tile kernels by benchmarks/peers.py before it is used by default (NOTES change 9)."""
     n, d = x.shape
     v, h = w.shape[0], num_heads
     budget = workspace_bytes()
     rows = chunk_rows(n, v, d, h, x.dtype, False, budget)
-    if rows == 0 or (need_ranks and h > 1):
+    if rows == 0 or (need_ranks and h > 1) or not _slabs_apply(x):
         return None
     f32 = {"dtype": torch.float32, "device": x.device}
     slab = torch.empty(h, rows, _aligned(v), **f32)
@@ -251,6 +250,18 @@ def slab_forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, n
     return SweepStats(lse, target, logit_sum, ranks)
 
 
+def _slabs_apply(x) -> bool:
+    """Whether cuBLAS logit slabs keep the tile kernels' numerics and the workspace bound here: not for
+    float32 inputs while torch allows TF32 matmuls (the tiles take exact float32 products), nor on a GPU
+    whose torch cannot write float32 products of 16-bit operands (upcast copies of W would exceed the
+    bound)."""
+    if not x.is_cuda:
+        return True
+    if x.dtype == torch.float32:
+        return not torch.backends.cuda.matmul.allow_tf32 and torch.get_float32_matmul_precision() == "highest"
+    return bool(accumulation_mode(x))
+
+
 def _chunk_logits(z, x, w, low_rank, n0, n1, temp):
     """z [H, rows, V] (float32) = each head's logits of tokens n0:n1 before bias and softcap."""
     h = z.shape[0]
@@ -265,14 +276,31 @@ def _chunk_logits(z, x, w, low_rank, n0, n1, temp):
 def _logits_into(z, x_h, w_h, temp):
     """z [rows, V] (float32, rows strided) = x_h @ w_h^T with float32 output; temporaries of at most
     about ``temp`` bytes where torch cannot write a float32 product of 16-bit operands into z."""
-    mode = accumulation_mode(x_h)
     if x_h.dtype == torch.float32:
         torch.mm(x_h, w_h.T, out=z)
-    elif mode == "addmm":  # cuBLAS writes float32 from 16-bit operands into z (the probe tried a strided out)
+    elif not accumulation_mode(x_h):  # CPU: upcast copies (products of 16-bit values are exact in float32)
+        torch.mm(x_h.float(), w_h.float().T, out=z)
+    elif writes_strided_float32(x_h):  # cuBLAS writes float32 from 16-bit operands into z's padded rows
         torch.mm(x_h, w_h.T, out_dtype=torch.float32, out=z)
-    elif mode == "mm":  # mm(out_dtype=) without out=: row blocks, copied in
+    else:  # mm(out_dtype=) without such an out: row blocks, copied in
         step = max(1, temp // (4 * max(z.shape[1], 1)))
         for r0 in range(0, z.shape[0], step):
             z[r0:r0 + step] = torch.mm(x_h[r0:r0 + step], w_h.T, out_dtype=torch.float32)
-    else:  # CPU, older torch: upcast copies (products of 16-bit values are exact in float32)
-        torch.mm(x_h.float(), w_h.float().T, out=z)
+
+
+_STRIDED: dict = {}  # device -> whether mm(out_dtype=float32) writes into a row-strided out
+
+
+def writes_strided_float32(t: torch.Tensor) -> bool:
+    """Whether mm(a, b, out_dtype=float32, out=o) fills a row-strided ``o`` on ``t``'s device (checked
+    once on exact small values: the slabs' rows are padded)."""
+    if t.device not in _STRIDED:
+        a = (torch.arange(48 * 40, device=t.device) % 7 - 3).view(48, 40).to(torch.bfloat16)
+        b = (torch.arange(40 * 24, device=t.device) % 5 - 2).view(40, 24).to(torch.bfloat16)
+        out = torch.zeros(48, 32, device=t.device)[:, :24]
+        try:
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
+            _STRIDED[t.device] = torch.equal(out, a.float() @ b.float())
+        except (TypeError, RuntimeError, NotImplementedError):
+            _STRIDED[t.device] = False
+    return _STRIDED[t.device]

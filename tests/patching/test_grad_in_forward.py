@@ -75,6 +75,7 @@ def test_trainer_with_accumulation_matches_unpatched(schedule, tmp_path):
             output_dir=str(tmp_path / name), max_steps=3, per_device_train_batch_size=2, gradient_accumulation_steps=2,
             learning_rate=1e-3, logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
             data_seed=0, disable_tqdm=True, dataloader_num_workers=0, warmup_steps=0,
+            optim="sgd", max_grad_norm=0.0,  # steps proportional to the gradients: a wrong scale shows
         )
         trainer = Trainer(model=m, args=args, train_dataset=data)
         trainer.train()
