@@ -70,7 +70,8 @@ case "$STAGE" in
     step gpu_suite_2pow31 python3 benchmarks/gpu_suite.py --tokens 16800 --heads 1 --dtypes bfloat16 --out "$RECORDS"
     step gpu_suite_lora python3 benchmarks/gpu_suite.py --tokens 4096 --heads 1 4 --dtypes bfloat16 --lora-rank 16 \
       --reps 3 --out "$RECORDS"
-    # gradients in the forward (6NDV): one chunk at N = 8192, two chunks with the float32 dW at N = 16800
+    # gradients in the forward (6NDV): N = 8192 in one chunk for H = 1 (H = 4: 3-4 chunks), and N = 16800
+    # in two chunks with the float32 dW
     step gpu_suite_grad_in_forward python3 benchmarks/gpu_suite.py --workspace-mb 8192 --heads 1 4 --reps 3 \
       --out "$RECORDS"
     step gpu_suite_grad_in_forward_chunks python3 benchmarks/gpu_suite.py --workspace-mb 8192 --tokens 16800 \

@@ -31,7 +31,8 @@ DEFAULT_WORKSPACE_MB = 512.0
 
 
 def workspace_bytes() -> int:
-    """Bound of the Triton backward's slabs, float32 accumulators and temporaries, from ``HF_MHCE_WORKSPACE_MB``."""
+    """Bound of the Triton slabs, float32 accumulators and temporaries (the backward's, and the forward's
+    when it computes the gradients or the candidate slab statistics), from ``HF_MHCE_WORKSPACE_MB``."""
     return megabytes_env("HF_MHCE_WORKSPACE_MB", DEFAULT_WORKSPACE_MB)
 
 

@@ -33,6 +33,13 @@ def test_interpreter_is_on():
 
 
 @pytest.fixture(autouse=True)
+def _recompute_schedule(monkeypatch):
+    """These tests check the tile forward and the recompute backward (its slabs, its padding tiles); the
+    schedule that computes gradients in the forward has its own (test_forward_grad.py)."""
+    monkeypatch.setenv("HF_MHCE_GRAD_IN_FORWARD", "0")
+
+
+@pytest.fixture(autouse=True)
 def launches(monkeypatch):
     """Counts Triton kernel launches (interpreter grid runs), so that a silent fallback to the
     torch path cannot make these tests pass vacuously."""
