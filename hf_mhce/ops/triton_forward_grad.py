@@ -179,9 +179,7 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     x_for_dw = _zero_ignored_nonfinite(x, labels) if need_dw else x
     u_for_dlb = _zero_ignored_nonfinite(u, labels) if need_dlb else u
     dy_all = slab.view(x.dtype)  # dY of a row: the front of that row's bytes
-    flags = dict(NUM_HEADS=h, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_V=_BLOCK_V,
-                 num_warps=8, enable_fp_fusion=True)  # stated, as dot_settings does for the tile kernels
-    cap = float(softcap) if softcap is not None else 1.0
+    flags, cap = _row_kernel_flags(h, bias, softcap)
     b_arg = bias if bias is not None else lse
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
@@ -237,17 +235,23 @@ def slab_forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, n
     lse, target = torch.empty(n, h, **f32), torch.empty(n, h, **f32)
     logit_sum = torch.empty(n, h, **f32) if need_logit_sum else None
     ranks = torch.empty(n, dtype=torch.int64, device=x.device) if need_ranks else None
+    flags, cap = _row_kernel_flags(h, bias, softcap)
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         z = slab[:, : n1 - n0, :v]
         _chunk_logits(z, x, w, low_rank, n0, n1, budget // 8)
         _row_stats_kernel[(n1 - n0, h)](
             z, bias if bias is not None else lse, labels, lse, target, logit_sum if need_logit_sum else lse,
-            ranks if need_ranks else labels, n0, v, z.stride(0), z.stride(1),
-            float(softcap) if softcap is not None else 1.0, NUM_HEADS=h, HAS_BIAS=bias is not None,
-            HAS_SOFTCAP=softcap is not None, NEED_SUM=need_logit_sum, NEED_RANKS=need_ranks, BLOCK_V=_BLOCK_V,
-            num_warps=8, enable_fp_fusion=True)
+            ranks if need_ranks else labels, n0, v, z.stride(0), z.stride(1), cap,
+            NEED_SUM=need_logit_sum, NEED_RANKS=need_ranks, **flags)
     return SweepStats(lse, target, logit_sum, ranks)
+
+
+def _row_kernel_flags(num_heads, bias, softcap) -> tuple[dict, float]:
+    """The row kernels' constexprs and launch options, and the softcap argument (1.0 when unused)."""
+    flags = dict(NUM_HEADS=num_heads, HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BLOCK_V=_BLOCK_V,
+                 num_warps=8, enable_fp_fusion=True)  # FMA contraction stated, as dot_settings does for the tiles
+    return flags, float(softcap) if softcap is not None else 1.0
 
 
 def _slabs_apply(x) -> bool:
