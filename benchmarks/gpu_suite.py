@@ -22,12 +22,11 @@ import argparse
 import datetime
 import json
 import math
-import os
 import time
 
 import torch
 import torch.nn.functional as F
-from records import DTYPES, Record, add_out_options, check_device, device_label, positive_int
+from records import DTYPES, Record, add_out_options, check_device, device_label, environment, positive_int
 
 from hf_mhce import multi_head_cross_entropy
 from hf_mhce.ops.budget import workspace_bytes
@@ -162,16 +161,8 @@ def main(argv=None):
     p.add_argument("--workspace-mb", type=float, help="HF_MHCE_WORKSPACE_MB for this run (default: as set, or 512)")
     add_out_options(p)
     args = p.parse_args(argv)
-    before = os.environ.get("HF_MHCE_WORKSPACE_MB")
-    if args.workspace_mb is not None:
-        os.environ["HF_MHCE_WORKSPACE_MB"] = str(args.workspace_mb)  # restored at the end (in-process runs)
-    try:
+    with environment({} if args.workspace_mb is None else {"HF_MHCE_WORKSPACE_MB": str(args.workspace_mb)}):
         _run(p, args)
-    finally:
-        if before is None:
-            os.environ.pop("HF_MHCE_WORKSPACE_MB", None)
-        else:
-            os.environ["HF_MHCE_WORKSPACE_MB"] = before
 
 
 def _run(p, args):

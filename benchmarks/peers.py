@@ -40,13 +40,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from records import Record, add_device_options, check_device, device_label, positive_int
+from records import Record, add_device_options, check_device, device_label, environment, positive_int
 
 SHAPES = {"gpt2": (768, 50257), "mistral7b": (4096, 32768), "llama3": (4096, 128256)}
 SMALL = {"gpt2": (48, 263)}  # --small: the harness itself on CPU / under the interpreter (9 vocabulary tiles)
@@ -283,39 +282,33 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
     references = {}  # per number of heads: a fast wrong answer is no result
     for name in variants:
         row = {"shape": label, "D": d, "V": v, "N": n, "variant": name, **{f"floor_{k}": x for k, x in floor.items()}}
-        restore = {k: os.environ.get(k) for k in ENVIRONMENT.get(name, {})}
-        os.environ.update(ENVIRONMENT.get(name, {}))
-        try:
-            fn, forward_only = make_variant(name, device)
-            heads = heads_of(name)
-            if heads not in references:
-                references[heads] = reference(x0, w, y0, heads)
-            ref_loss, *ref_grads = references[heads]
-            with torch.no_grad():
-                row["loss_rel_err"] = abs(float(fn(x0, w, y0)) - ref_loss) / abs(ref_loss)
-            if hasattr(fn, "stats") and fn.stats.num_tokens != int((y0 != -100).sum()):  # ranks: a row timing no ranks
-                raise RuntimeError(f"{fn.stats.num_tokens} tokens ranked of {int((y0 != -100).sum())}")
-            if not forward_only:
-                row.update(grad_errors(fn, x0, w, y0, ref_grads))
-            row.update(measure(fn, forward_only, w, sets, timer, device))
-            row["vs_floor"] = row.get("fwd_bwd_ms", row["fwd_ms"]) / floor["fwd_bwd_ms" if "fwd_bwd_ms" in row else "fwd_ms"]
-            if "peak_extra_mb" in row:
-                # inputs X, W are allocated before; the bound on what the step adds is dX + dW
-                row["mem_vs_bound"] = row["peak_extra_mb"] / (floor["lower_bound_mb"] / 2)
-        except Unavailable as why:
-            row["note"] = str(why)
-        except torch.cuda.OutOfMemoryError:
-            row["note"] = "out of memory"
-        except Exception as err:  # one broken peer must not cost the whole (one-shot) device run
-            row["note"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-        finally:
-            for key, value in restore.items():
-                if value is None:
-                    del os.environ[key]
-                else:
-                    os.environ[key] = value
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        with environment(ENVIRONMENT.get(name, {})):  # the row's settings, restored after it
+            try:
+                fn, forward_only = make_variant(name, device)
+                heads = heads_of(name)
+                if heads not in references:
+                    references[heads] = reference(x0, w, y0, heads)
+                ref_loss, *ref_grads = references[heads]
+                with torch.no_grad():
+                    row["loss_rel_err"] = abs(float(fn(x0, w, y0)) - ref_loss) / abs(ref_loss)
+                if hasattr(fn, "stats") and fn.stats.num_tokens != int((y0 != -100).sum()):  # ranks: a row timing no ranks
+                    raise RuntimeError(f"{fn.stats.num_tokens} tokens ranked of {int((y0 != -100).sum())}")
+                if not forward_only:
+                    row.update(grad_errors(fn, x0, w, y0, ref_grads))
+                row.update(measure(fn, forward_only, w, sets, timer, device))
+                row["vs_floor"] = row.get("fwd_bwd_ms", row["fwd_ms"]) / floor["fwd_bwd_ms" if "fwd_bwd_ms" in row else "fwd_ms"]
+                if "peak_extra_mb" in row:
+                    # inputs X, W are allocated before; the bound on what the step adds is dX + dW
+                    row["mem_vs_bound"] = row["peak_extra_mb"] / (floor["lower_bound_mb"] / 2)
+            except Unavailable as why:
+                row["note"] = str(why)
+            except torch.cuda.OutOfMemoryError:
+                row["note"] = "out of memory"
+            except Exception as err:  # one broken peer must not cost the whole (one-shot) device run
+                row["note"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

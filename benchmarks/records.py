@@ -10,6 +10,7 @@ full run on the same day stops at once, before any work, instead of after it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -130,3 +131,19 @@ def device_label(device) -> str:
     import torch
 
     return torch.cuda.get_device_name(device).replace(" ", "-") if device.type == "cuda" else "cpu"
+
+
+@contextlib.contextmanager
+def environment(settings: dict):
+    """``os.environ`` updated with ``settings`` inside the block, each variable restored after it (unset
+    where it was): a setting that one run or row needs does not reach the next in the same process."""
+    before = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -46,8 +46,8 @@ def _autocast(hidden, weight, bias, low_rank=None):
 
 
 def _divisor(valid, reduction, num_items_in_batch, dtype):
-    """What the summed loss is divided by: None for reduction "none", 1 for a sum (or
-    num_items_in_batch = 0 with every label ignored), else a 0-dim tensor of the loss's ``dtype``."""
+    """What the summed loss is divided by, a 0-dim tensor of the loss's ``dtype`` (1 for a sum, and for
+    num_items_in_batch = 0 with every label ignored); None for reduction "none"."""
     if reduction == "none":
         return None
     if num_items_in_batch is not None:
@@ -58,10 +58,10 @@ def _divisor(valid, reduction, num_items_in_batch, dtype):
         if value == 0:
             if bool(valid.any()):
                 raise ValueError("num_items_in_batch is 0 but some labels are not ignored")
-            return 1  # all ignored: 0, with zero gradients
+            return torch.ones((), dtype=dtype, device=valid.device)  # all ignored: 0, with zero gradients
         return divisor
     if reduction == "sum":
-        return 1
+        return torch.ones((), dtype=dtype, device=valid.device)
     # mean over non-ignored tokens; all ignored gives 0 (torch's cross_entropy gives NaN).
     return valid.sum().clamp_min(1).to(dtype)
 
@@ -71,15 +71,13 @@ def _grad_scale(divisor, hidden):
     1 / divisor, bit for bit), when gradients will be taken; else None."""
     if divisor is None or not torch.is_grad_enabled():
         return None
-    one = torch.ones((), dtype=torch.float32, device=hidden.device)
-    return one if isinstance(divisor, int) else one / divisor.to(torch.float32)
+    return torch.ones((), dtype=torch.float32, device=hidden.device) / divisor.to(torch.float32)
 
 
 def _reduce(losses, label_shape, divisor):
     if divisor is None:
         return losses.view(label_shape)
-    total = losses.sum()
-    return total if isinstance(divisor, int) else total / divisor
+    return losses.sum() / divisor  # x / 1 is exact: a sum stays a sum
 
 
 @_opaque_to_compile

@@ -165,9 +165,7 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
         return None
     temp = budget // 8
     f32 = {"dtype": torch.float32, "device": x.device}
-    slab = torch.empty(h, rows, _aligned(v), **f32)
-    lse, target = torch.empty(n, h, **f32), torch.empty(n, h, **f32)
-    logit_sum = torch.empty(n, h, **f32) if label_smoothing else None
+    stats = _empty_stats(n, h, x.device, bool(label_smoothing), False)
     single = rows >= n
     dx = torch.empty_like(x) if need_dx else None
     dw = torch.empty_like(w) if need_dw else None
@@ -178,22 +176,15 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     dlb = torch.zeros(lb.shape, **f32) if need_dlb else None
     x_for_dw = _zero_ignored_nonfinite(x, labels) if need_dw else x
     u_for_dlb = _zero_ignored_nonfinite(u, labels) if need_dlb else u
-    dy_all = slab.view(x.dtype)  # dY of a row: the front of that row's bytes
     flags, cap = _row_kernel_flags(h, bias, softcap)
-    b_arg = bias if bias is not None else lse
-    for n0 in range(0, n, rows):
-        n1 = min(n, n0 + rows)
+    for n0, n1, z in _slab_sweep(x, w, bias, labels, h, softcap, low_rank, rows, temp, stats):
         m = n1 - n0
-        z, dy = slab[:, :m, :v], dy_all[:, :m, :v]
-        _chunk_logits(z, x, w, low_rank, n0, n1, temp)
-        _row_stats_kernel[(m, h)](
-            z, b_arg, labels, lse, target, logit_sum if logit_sum is not None else lse, labels, n0, v,
-            z.stride(0), z.stride(1), cap, NEED_SUM=logit_sum is not None, NEED_RANKS=False, **flags)
+        dy = z.view(x.dtype)[:, :, :v]  # dY of a row: the front of that row's bytes
         alpha, beta, gamma = mixture.grad_coefficients(
-            lse[n0:n1], target[n0:n1], valid[n0:n1], grad_scale.expand(m), v, label_smoothing, z_loss)
+            stats.lse[n0:n1], stats.target[n0:n1], valid[n0:n1], grad_scale.expand(m), v, label_smoothing, z_loss)
         _dlogits_in_place_kernel[(m, h)](
-            z, dy, b_arg, labels, lse, alpha.contiguous(), beta.contiguous(), gamma.contiguous(), n0, v,
-            z.stride(0), z.stride(1), dy.stride(0), dy.stride(1), cap, **flags)
+            z, dy, bias if bias is not None else stats.lse, labels, stats.lse, alpha.contiguous(), beta.contiguous(),
+            gamma.contiguous(), n0, v, z.stride(0), z.stride(1), dy.stride(0), dy.stride(1), cap, **flags)
         for head in range(h):
             cols, dy_h = slice(head * dh, (head + 1) * dh), dy[head]
             if need_dx:
@@ -216,7 +207,7 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     grads = (dx, dw, db.to(bias.dtype) if need_db else None)
     if low_rank is not None:
         grads += (du, dlb.to(lb.dtype) if need_dlb else None)
-    return SweepStats(lse, target, logit_sum, None), grads
+    return stats, grads
 
 
 def slab_forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False, low_rank=None):
@@ -230,21 +221,37 @@ def slab_forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, n
     rows = chunk_rows(n, v, d, h, x.dtype, False, budget)
     if rows == 0 or (need_ranks and h > 1) or not _slabs_apply(x):
         return None
-    f32 = {"dtype": torch.float32, "device": x.device}
-    slab = torch.empty(h, rows, _aligned(v), **f32)
-    lse, target = torch.empty(n, h, **f32), torch.empty(n, h, **f32)
-    logit_sum = torch.empty(n, h, **f32) if need_logit_sum else None
-    ranks = torch.empty(n, dtype=torch.int64, device=x.device) if need_ranks else None
+    stats = _empty_stats(n, h, x.device, need_logit_sum, need_ranks)
+    for _ in _slab_sweep(x, w, bias, labels, h, softcap, low_rank, rows, budget // 8, stats):
+        pass
+    return stats
+
+
+def _empty_stats(n, num_heads, device, need_logit_sum, need_ranks) -> SweepStats:
+    f32 = {"dtype": torch.float32, "device": device}
+    return SweepStats(torch.empty(n, num_heads, **f32), torch.empty(n, num_heads, **f32),
+                      torch.empty(n, num_heads, **f32) if need_logit_sum else None,
+                      torch.empty(n, dtype=torch.int64, device=device) if need_ranks else None)
+
+
+def _slab_sweep(x, w, bias, labels, num_heads, softcap, low_rank, rows, temp, stats):
+    """Chunks of ``rows`` tokens: their float32 logits in one slab [H, rows, V] (rows padded), and their
+    row statistics written into ``stats``; yields (n0, n1, z), z [H, tokens, padded V] the chunk's logits
+    before bias and softcap (valid until the next chunk)."""
+    n, v, h = x.shape[0], w.shape[0], num_heads
+    slab = torch.empty(h, rows, _aligned(v), dtype=torch.float32, device=x.device)
     flags, cap = _row_kernel_flags(h, bias, softcap)
+    lse = stats.lse
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
-        z = slab[:, : n1 - n0, :v]
-        _chunk_logits(z, x, w, low_rank, n0, n1, budget // 8)
+        z = slab[:, : n1 - n0]
+        _chunk_logits(z[:, :, :v], x, w, low_rank, n0, n1, temp)
         _row_stats_kernel[(n1 - n0, h)](
-            z, bias if bias is not None else lse, labels, lse, target, logit_sum if need_logit_sum else lse,
-            ranks if need_ranks else labels, n0, v, z.stride(0), z.stride(1), cap,
-            NEED_SUM=need_logit_sum, NEED_RANKS=need_ranks, **flags)
-    return SweepStats(lse, target, logit_sum, ranks)
+            z, bias if bias is not None else lse, labels, lse, stats.target,
+            stats.logit_sum if stats.logit_sum is not None else lse,
+            stats.ranks if stats.ranks is not None else labels, n0, v, z.stride(0), z.stride(1), cap,
+            NEED_SUM=stats.logit_sum is not None, NEED_RANKS=stats.ranks is not None, **flags)
+        yield n0, n1, z
 
 
 def _row_kernel_flags(num_heads, bias, softcap) -> tuple[dict, float]:
