@@ -46,6 +46,7 @@ import time
 import torch
 import torch.nn.functional as F
 from records import Record, add_device_options, check_device, device_label, environment, positive_int
+from targets import markdown as targets_markdown
 
 SHAPES = {"gpt2": (768, 50257), "mistral7b": (4096, 32768), "llama3": (4096, 128256)}
 SMALL = {"gpt2": (48, 263)}  # --small: the harness itself on CPU / under the interpreter (9 vocabulary tiles)
@@ -349,7 +350,7 @@ def markdown(rows: list[dict], device_name: str, today: str) -> str:
                          f"{f('peak_extra_mb', '.0f')} | {f('mem_vs_bound')} | {rel} | {f('loss_rel_err', '.1e')} | "
                          f"{f('dx_rel_err', '.1e')} | {f('dw_rel_err', '.1e')} | {r.get('note', '')} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n" + targets_markdown(rows)
 
 
 def main(argv=None) -> list[dict]:
