@@ -53,6 +53,9 @@ SMALL = {"gpt2": (48, 263)}  # --small: the harness itself on CPU / under the in
 PEERS = ("hf_eager", "compile_chunked", "liger", "cce", "cce_exact")
 OURS = ("hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast", "hf_mhce_mhce4", "hf_mhce_mhce4_fast", "hf_mhce_mhce8",
         "hf_mhce_ranks")
+# Each row runs in the configuration its name says, whatever the caller's environment: the settings that
+# choose a schedule are unset (their defaults) unless the row sets them, and restored after it.
+SCHEDULE_SETTINGS = {"HF_MHCE_WORKSPACE_MB": None, "HF_MHCE_GRAD_IN_FORWARD": None}
 ENVIRONMENT = {"hf_mhce_ce_lean": {"HF_MHCE_WORKSPACE_MB": "64"},  # set while the variant runs
                "hf_mhce_ce_fast": {"HF_MHCE_WORKSPACE_MB": "8192"},
                "hf_mhce_mhce4_fast": {"HF_MHCE_WORKSPACE_MB": "8192"}}
@@ -283,7 +286,7 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
     references = {}  # per number of heads: a fast wrong answer is no result
     for name in variants:
         row = {"shape": label, "D": d, "V": v, "N": n, "variant": name, **{f"floor_{k}": x for k, x in floor.items()}}
-        with environment(ENVIRONMENT.get(name, {})):  # the row's settings, restored after it
+        with environment({**SCHEDULE_SETTINGS, **ENVIRONMENT.get(name, {})}):  # the row's settings, restored after it
             try:
                 fn, forward_only = make_variant(name, device)
                 heads = heads_of(name)

@@ -135,10 +135,15 @@ def device_label(device) -> str:
 
 @contextlib.contextmanager
 def environment(settings: dict):
-    """``os.environ`` updated with ``settings`` inside the block, each variable restored after it (unset
-    where it was): a setting that one run or row needs does not reach the next in the same process."""
+    """``os.environ`` updated with ``settings`` inside the block (a value None unsets the variable), each
+    variable restored after it (unset where it was): a setting that one run or row needs does not reach
+    the next in the same process."""
     before = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
+    for key, value in settings.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from hf_mhce.cli import main
 
@@ -41,6 +42,23 @@ def test_demo_with_few_tokens_keeps_targets(capsys):
         rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith(("HF eager", "fused"))]
         values = [float(row[-3]) for row in rows]
         assert len(values) == 3 and all(math.isfinite(v) and v > 0 for v in values), rows
+
+
+@pytest.mark.parametrize("interpreter", ["0", "1"])
+def test_triton_backend_without_a_gpu_is_one_line_before_any_work(interpreter, monkeypatch, capsys):
+    """HF_MHCE_BACKEND=triton on a machine with no GPU printed the eager row, then a traceback from the
+    first fused loss: the command now stops at once, unless Triton's interpreter is on (then it runs)."""
+    monkeypatch.setenv("HF_MHCE_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", interpreter)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    status = main(["demo", "--tokens", "8", "--vocab", "50", "--hidden", "8", "--heads", "1"])
+    captured = capsys.readouterr()
+    if interpreter == "1":
+        assert status == 0 and "fused" in captured.out
+    else:
+        assert status == 2 and captured.out == "" and "Traceback" not in captured.err
+        assert captured.err.startswith("hf-mhce: error: HF_MHCE_BACKEND=triton needs a CUDA GPU")
+        assert "TRITON_INTERPRET=1" in captured.err
 
 
 @pytest.mark.parametrize("command", [["demo", "--tokens", "8", "--vocab", "50", "--hidden", "8"],

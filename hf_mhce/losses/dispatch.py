@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from ..ops import torch_sweep
-from ..ops.budget import SettingError, grad_in_forward, workspace_bytes
+from ..ops.budget import SettingError, grad_in_forward, interpreting, workspace_bytes
 
 BACKENDS = ("auto", "triton", "torch")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,10 +47,21 @@ def _environment_backend() -> str:
 def check_environment() -> None:
     """Read every ``HF_MHCE_*`` setting now (backend, chunk and workspace budgets, gradient schedule): a
     SettingError names the first unusable one before a job starts, instead of at its first loss."""
-    _environment_backend()
+    if _environment_backend().lower() == "triton":
+        _check_triton_usable()
     torch_sweep.chunk_bytes()
     workspace_bytes()
     grad_in_forward()
+
+
+def _check_triton_usable() -> None:
+    """HF_MHCE_BACKEND=triton where no loss could run: without triton, or with neither a CUDA GPU nor
+    Triton's interpreter (each loss would then raise in the middle of the job)."""
+    if not triton_available():
+        raise SettingError("HF_MHCE_BACKEND=triton but triton is not installed; use HF_MHCE_BACKEND=torch or auto")
+    if not torch.cuda.is_available() and not interpreting():  # no kernel import here: it fixes interpretation
+        raise SettingError("HF_MHCE_BACKEND=triton needs a CUDA GPU and none is available; for CPU tensors set "
+                           "TRITON_INTERPRET=1 too (Triton's interpreter, slow), or use HF_MHCE_BACKEND=torch or auto")
 
 
 def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> SimpleNamespace:

@@ -1,5 +1,5 @@
-"""Memory budgets and the gradient schedule from the environment, read on every call (a test or a job
-may change them)."""
+"""Memory budgets, the gradient schedule and Triton's interpreter switch from the environment, read on
+every call (a test or a job may change them); no triton import."""
 
 from __future__ import annotations
 
@@ -44,3 +44,8 @@ def grad_in_forward() -> bool:
     if raw not in ("0", "1"):
         raise SettingError(f"HF_MHCE_GRAD_IN_FORWARD must be 0 or 1, got {raw!r}")
     return raw == "1"
+
+
+def interpreting() -> bool:
+    """True when TRITON_INTERPRET=1 is set now (read on every call: tile sizes, dot order)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")

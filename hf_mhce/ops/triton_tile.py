@@ -9,18 +9,14 @@ N * V and V * D beyond 2^31 are addressed correctly.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .budget import interpreting
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def interpreting() -> bool:
-    """True when TRITON_INTERPRET=1 is set now (read on every call: tile sizes, dot order)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 # Whether the kernels run through Triton's interpreter: triton.jit decides when a kernel is defined, from

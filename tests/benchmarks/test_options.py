@@ -312,9 +312,10 @@ def test_device_run_stops_a_step_in_time_to_pack_it(tmp_path, monkeypatch):
             "first-shape.json", "first-shape.md"]
 
 
-def test_lean_variant_sets_its_workspace_only_while_it_runs(monkeypatch):
-    """hf_mhce_ce_lean runs under HF_MHCE_WORKSPACE_MB=64 (its backward reads it), and the rows after it
-    do not: the variable is restored, an existing value included."""
+def test_each_row_runs_in_its_own_configuration_whatever_the_callers(monkeypatch):
+    """hf_mhce_ce_lean runs under HF_MHCE_WORKSPACE_MB=64 (its backward reads it) and the default rows
+    under the default workspace and schedule, even where the caller set others (a row labelled "512 MB,
+    default" ran at the caller's workspace); after the run the caller's values are back."""
     import torch
 
     import peers
@@ -322,17 +323,20 @@ def test_lean_variant_sets_its_workspace_only_while_it_runs(monkeypatch):
     seen = []
 
     def stub(name, device):
-        seen.append((name, os.environ.get("HF_MHCE_WORKSPACE_MB")))
+        seen.append((name, os.environ.get("HF_MHCE_WORKSPACE_MB"), os.environ.get("HF_MHCE_GRAD_IN_FORWARD")))
         raise peers.Unavailable("stub")
 
     monkeypatch.setattr(peers, "make_variant", stub)
     for before in (None, "300"):
-        if before is None:
-            monkeypatch.delenv("HF_MHCE_WORKSPACE_MB", raising=False)
-        else:
-            monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", before)
+        for key, value in (("HF_MHCE_WORKSPACE_MB", before), ("HF_MHCE_GRAD_IN_FORWARD", before and "0")):
+            if value is None:
+                monkeypatch.delenv(key, raising=False)
+            else:
+                monkeypatch.setenv(key, value)
         seen.clear()
-        peers.run_shape("tiny", 8, 16, 4, ["hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce"], torch.device("cpu"),
-                        torch.bfloat16, 1, 1)
-        assert seen == [("hf_mhce_ce", before), ("hf_mhce_ce_lean", "64"), ("hf_mhce_ce", before)]
+        peers.run_shape("tiny", 8, 16, 4, ["hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast", "hf_mhce_ce"],
+                        torch.device("cpu"), torch.bfloat16, 1, 1)
+        assert seen == [("hf_mhce_ce", None, None), ("hf_mhce_ce_lean", "64", None), ("hf_mhce_ce_fast", "8192", None),
+                        ("hf_mhce_ce", None, None)]
         assert os.environ.get("HF_MHCE_WORKSPACE_MB") == before
+        assert os.environ.get("HF_MHCE_GRAD_IN_FORWARD") == (before and "0")
