@@ -12,11 +12,20 @@ from torch.autograd.function import once_differentiable
 from ..ops import mixture, torch_sweep
 
 
+_functorch = getattr(torch._C, "_functorch", None)
+
+
+def _is_batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a vmap batch (``autograd.grad(..., is_grads_batched=True)`` makes legacy ones)."""
+    return any(getattr(_functorch, name, lambda _: False)(t) for name in ("is_batchedtensor", "is_legacy_batchedtensor"))
+
+
 def differentiable_once(backward):
     """``once_differentiable``, refusing ``create_graph=True`` outright.  once_differentiable only
     errs when the incoming gradient requires grad, which after a reduction (mean, sum) it does not:
     a double backward (gradient penalty, ``autograd.grad(..., create_graph=True)``) would then
-    silently miss every second-order term through the loss."""
+    silently miss every second-order term through the loss.  Batched incoming gradients (vmap) are
+    refused by name too: the kernels and the sweeps' in-place buffers failed on them deep inside."""
 
     @functools.wraps(backward)
     def checked(ctx, *grads):
@@ -25,6 +34,10 @@ def differentiable_once(backward):
                 "hf_mhce's fused losses are differentiable once: backward with create_graph=True (double "
                 "backward, gradient penalties) is not supported, as its second-order terms would be missing. "
                 "Compute such a loss from full logits (F.cross_entropy) instead.")
+        if any(isinstance(g, torch.Tensor) and _is_batched(g) for g in grads):
+            raise NotImplementedError(
+                "hf_mhce's fused losses have no batched backward: torch.autograd.grad(..., is_grads_batched=True) "
+                "and torch.func.vmap over their backward are not supported; compute one gradient at a time.")
         return once_differentiable(backward)(ctx, *grads)
 
     return checked
@@ -92,6 +105,7 @@ class MultiHeadTokenLoss(torch.autograd.Function):
             factor = _common_factor(grad_tokens, valid, ctx.grad_scale)
             if factor is not None:
                 return _all_inputs(ctx, _scaled(early, factor, needs))
+            early = None  # they do not apply: freed before the recompute builds its own (peak memory)
         if not any(needs):
             return _all_inputs(ctx, None)
         with torch.autocast(hidden.device.type, enabled=False):

@@ -116,3 +116,16 @@ def test_double_backward_is_refused(fn):
         torch.autograd.grad(out, x, create_graph=True)
     (gx,) = torch.autograd.grad(out, x, retain_graph=True)
     assert torch.isfinite(gx).all() and gx.abs().sum() > 0
+
+
+@pytest.mark.parametrize("fn", ["loss", "logprobs"])
+def test_batched_gradients_are_refused_by_name(fn):
+    """autograd.grad(..., is_grads_batched=True) failed deep inside: an in-place op of the torch sweep
+    under vmap, a data pointer in the Triton path. One error now says what is not supported."""
+    hidden, weight, _, labels = _inputs()
+    x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = lce(x, w, labels, backend="torch") if fn == "loss" else mhlp(x, w, 2)[:, 0].sum()
+    with pytest.raises(NotImplementedError, match="no batched backward.*is_grads_batched"):
+        torch.autograd.grad(out, [x, w], grad_outputs=torch.tensor([1.0, 2.0]), is_grads_batched=True, retain_graph=True)
+    (gx,) = torch.autograd.grad(out, x)  # the graph is intact: one gradient at a time works
+    assert torch.isfinite(gx).all() and gx.abs().sum() > 0

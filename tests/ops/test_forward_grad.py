@@ -278,6 +278,35 @@ def test_direct_apply_with_per_token_gradients(grad, spy):
         _compare(t.grad, r, FP32, 45, name)
 
 
+def test_stored_gradients_are_freed_before_a_recompute(monkeypatch):
+    """A non-uniform incoming gradient recomputes: the stored dX / dW no longer apply, and holding them
+    while the recompute builds its own (and its slabs) raised the backward's peak by a dX and a dW."""
+    import weakref
+
+    stored, alive = [], []
+    forward_with_grads, backward = fg.forward_with_grads, triton_backward.backward
+
+    def keep_refs(*a, **k):
+        out = forward_with_grads(*a, **k)
+        stored.extend(weakref.ref(t) for t in out[1] if t is not None)
+        return out
+
+    def count_alive(*a, **k):
+        alive.append(sum(ref() is not None for ref in stored))
+        return backward(*a, **k)
+
+    monkeypatch.setattr(fg, "forward_with_grads", keep_refs)
+    monkeypatch.setattr(triton_backward, "backward", count_alive)
+    (x, w, _, _, _), labels = _inputs(21, 16, 40, 1, bias=False)
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    inputs = checks.prepare(*leaves, None, labels, -100)
+    ops = dispatch.resolve("triton", x.device, x.dtype)
+    losses = MultiHeadTokenLoss.apply(inputs.hidden, inputs.weight, None, None, None, inputs.labels, inputs.valid, 1,
+                                      None, 0.0, 0.0, ops, None, torch.tensor(1 / 21))
+    torch.autograd.backward(losses, grad_tensors=torch.rand(21) + 0.5)
+    assert len(stored) == 2 and alive == [0]
+
+
 def test_bad_setting_is_named(monkeypatch):
     tensors, labels = _inputs(9, 16, 23, 2)
     for raw in ("", "0", "1"):
