@@ -16,6 +16,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The fused loss on each backend, for worker processes: the torch sweeps, and the Triton kernels under the
+# interpreter, whose training losses compute their gradients in the forward (HF_MHCE_BACKEND=triton: every
+# loss call runs the kernels or raises).
+LOSS_BACKENDS = {"torch": {"HF_MHCE_BACKEND": "torch"},
+                 "triton": {"HF_MHCE_BACKEND": "triton", "TRITON_INTERPRET": "1"}}
+
+
 def child_env(*pythonpath: str, **extra: str) -> dict[str, str]:
     """os.environ with one torch thread per process, ``pythonpath`` first on PYTHONPATH, ``extra``
     set, and none of the variables that would make a child join the parent's process group."""

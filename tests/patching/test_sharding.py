@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_helpers import child_env, run_worker_pair
+from launch_helpers import LOSS_BACKENDS as BACKENDS, child_env, run_worker_pair
 from patching_models import assert_step_equal, batch, make_model
 
 import hf_mhce
@@ -17,9 +17,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    env = child_env(str(HERE), str(HERE.parent), str(ROOT))
+@pytest.fixture(scope="module", params=list(BACKENDS))
+def runs(request, tmp_path_factory):
+    env = child_env(str(HERE), str(HERE.parent), str(ROOT), **BACKENDS[request.param])
     return run_worker_pair(HERE / "sharding_worker.py", tmp_path_factory.mktemp("fsdp"), env)
 
 
@@ -47,13 +47,14 @@ def test_fsdp2_head_unit_read_directly_is_an_error(runs):
 
 
 @pytest.mark.timeout(300)
-def test_fsdp1_head_in_its_own_unit(tmp_path):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_fsdp1_head_in_its_own_unit(tmp_path, backend):
     """FSDP1 (FullyShardedDataParallel, accelerate's fsdp_version 1) with lm_head wrapped in its own unit,
     as a size-based policy does with a large head: the fused loss runs inside the wrapper's forward,
     which gathers the flat parameter (was: UnsupportedHeadError "the LM head is a
     FullyShardedDataParallel, not an nn.Linear" at the first step).  Loss and every gradient equal the
     single-process run, for CE, MHCE and LoRA on the head (its matrices wrapped too)."""
-    env = child_env(str(HERE), str(HERE.parent), str(ROOT))
+    env = child_env(str(HERE), str(HERE.parent), str(ROOT), **BACKENDS[backend])
     dist, single = run_worker_pair(HERE / "fsdp1_worker.py", tmp_path, env)
     for case in dist:
         assert_step_equal(dist[case], single[case], case)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_helpers import child_env, run_worker_pair
+from launch_helpers import LOSS_BACKENDS, child_env, run_worker_pair
 from patching_models import assert_step_equal
 
 import deepspeed  # noqa: E402,F401  (in the [test] extra: a missing install fails, never skips)
@@ -17,9 +17,9 @@ ROOT = HERE.parent.parent
 CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    env = child_env(str(HERE), str(HERE.parent), str(ROOT), DS_ACCELERATOR="cpu")
+@pytest.fixture(scope="module", params=list(LOSS_BACKENDS))
+def runs(request, tmp_path_factory):
+    env = child_env(str(HERE), str(HERE.parent), str(ROOT), DS_ACCELERATOR="cpu", **LOSS_BACKENDS[request.param])
     return run_worker_pair(HERE / "zero3_worker.py", tmp_path_factory.mktemp("zero3"), env)
 
 
