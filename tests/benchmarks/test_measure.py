@@ -46,9 +46,11 @@ def test_ranks_row_is_compared_with_our_forward():
     rows = [{**base, "variant": "hf_mhce_ce", "fwd_ms": 10.0, "fwd_bwd_ms": 30.0},
             {**base, "variant": "liger", "fwd_ms": 12.0, "fwd_bwd_ms": 45.0},
             {**base, "variant": "hf_mhce_ranks", "fwd_ms": 10.4}]
-    table = peers.markdown(rows, "GPU", "2026-01-01").splitlines()
-    ratio = {line.split("|")[1].strip(): line.split("|")[8].strip() for line in table if line.startswith("| ")}
+    text = peers.markdown(rows, "GPU", "2026-01-01")
+    table, verdicts = text.split("## P6 targets")
+    ratio = {line.split("|")[1].strip(): line.split("|")[8].strip() for line in table.splitlines() if line.startswith("| ")}
     assert ratio["liger"] == "1.50" and ratio["hf_mhce_ranks"] == "1.04", ratio
+    assert "| ranks | hf_mhce_ranks vs hf_mhce_ce | 1.04x hf_mhce_ce | <= 1.05 | yes |" in verdicts
 
 
 def test_ranks_row_that_ranks_nothing_is_no_result(monkeypatch):
