@@ -8,6 +8,8 @@ import os
 import types
 import warnings
 
+from torch import nn
+
 from .card import set_card_section
 from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config
 from .families import FAMILIES, LogitFacts, UnsupportedModelError, check_loss_function, check_structure, model_type, unsupported
@@ -35,8 +37,8 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
         raise TypeError("apply_patch got a torch.compile'd model: patch the model before torch.compile(model), "
                         "or pass the compiled model's _orig_mod")
     target = _unwrap(model)
+    out_cls, _, router = check_structure(target)  # first: a hub id or None passed as the model is named here
     state = target.__dict__.get(STATE_ATTR)
-    out_cls, _, router = check_structure(target)
     try:
         facts, foreign = _facts(target, out_cls, router, state)
     except UnsupportedModelError as err:
@@ -120,6 +122,8 @@ def add_card_section(model, title: str, render) -> None:
 def unpatch(model):
     """Restore the original forward and the original ``model.config.hf_mhce``; returns ``model``."""
     target = _unwrap(model)
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"unpatch expects the model apply_patch patched, got {type(model).__name__} {model!r:.80}")
     state = target.__dict__.get(STATE_ATTR)
     if state is None:
         return model
@@ -253,9 +257,11 @@ def _check_head(model, num_heads: int) -> None:
         raise unsupported(model, str(err)) from err
     hidden = full_shape(parts.weight)[1]  # ZeRO-3 partitioning at load (zero.Init) leaves an empty placeholder
     if hidden % num_heads:
+        configured = getattr(model.config, "hidden_size", hidden)
+        also = f" (config.hidden_size is {configured})" if configured != hidden else ""  # OPT's word_embed_proj_dim
         raise ValueError(
-            f"num_heads={num_heads} does not divide the hidden size {hidden} of {type(model).__name__}: "
-            f"MHCE splits the final hidden state into num_heads equal slices"
+            f"num_heads={num_heads} does not divide the hidden size {hidden} that the LM head of "
+            f"{type(model).__name__} reads{also}: MHCE splits the final hidden state into num_heads equal slices"
         )
 
 

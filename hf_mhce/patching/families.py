@@ -16,6 +16,7 @@ import dataclasses
 import dis
 import functools
 import inspect
+import os
 import textwrap
 import typing
 from dataclasses import dataclass
@@ -312,7 +313,9 @@ def check_structure(model: nn.Module) -> tuple[type, nn.Module, RouterFacts | No
     """Checks of the generic requirement that need no forward pass; returns (output type, decoder,
     router facts of a mixture of experts or None)."""
     if not isinstance(model, PreTrainedModel):
-        raise unsupported(model, "it is not a transformers PreTrainedModel (nor a PeftModel wrapping one)")
+        hint = (": load the checkpoint first (AutoModelForCausalLM.from_pretrained, or hf_mhce.from_pretrained)"
+                if isinstance(model, (str, os.PathLike)) else "")
+        raise unsupported(model, f"it is not a transformers PreTrainedModel (nor a PeftModel wrapping one){hint}")
     if getattr(model.config, "is_encoder_decoder", False):
         raise unsupported(model, "encoder-decoder models are not causal LMs")
     try:

@@ -91,6 +91,15 @@ def test_integer_types_for_num_heads(heads):
         mhce(hidden, weight, labels, torch.tensor(2.0), backend="torch")
 
 
+@pytest.mark.parametrize("heads", [torch.tensor(True), torch.tensor([2]), np.bool_(True)])
+def test_bool_and_non_scalar_num_heads_are_refused(heads):
+    """operator.index took a bool tensor as 1 (a one-head 'MHCE', plain CE) and a one-element tensor as
+    its value: neither is an integer count."""
+    hidden, weight, _, labels = _inputs()
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        mhce(hidden, weight, labels, heads, backend="torch")
+
+
 @pytest.mark.parametrize("heads", [1, 2])
 def test_float64_untouched_by_autocast(heads):
     """autocast leaves float64 alone (nn.Linear's rule): the float64 result, not a bf16 one."""

@@ -1,6 +1,7 @@
 """Clear errors, and no [N, V] logits when a loss is asked for."""
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy
 import pytest
@@ -10,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import BertConfig, BertForMaskedLM, BertModel, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from hf_mhce.patching import LossConfig, UnsupportedModelError, apply_patch, from_pretrained, is_patched
+from hf_mhce.patching import LossConfig, UnsupportedModelError, apply_patch, from_pretrained, is_patched, unpatch
 
 
 def test_unknown_loss_and_options():
@@ -42,8 +43,31 @@ def test_unknown_loss_and_options():
 
 
 def test_num_heads_must_divide_hidden_size():
-    with pytest.raises(ValueError, match="num_heads=5 does not divide the hidden size 32"):
+    with pytest.raises(ValueError, match="num_heads=5 does not divide the hidden size 32 that the LM head"):
         apply_patch(make_model("llama"), loss="mhce", num_heads=5)
+
+
+def test_num_heads_error_names_the_heads_input_size_where_it_is_not_hidden_size():
+    """OPT projects the hidden state (word_embed_proj_dim) before its head: the check was right, and its
+    message named the head's input size as "the hidden size" beside a config.hidden_size that differs."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=48, word_embed_proj_dim=40, ffn_dim=64,
+                                     num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=32))
+    with pytest.raises(ValueError, match=r"hidden size 40 that the LM head of OPTForCausalLM reads \(config.hidden_size is 48\)"):
+        apply_patch(model, loss="mhce", num_heads=16)
+
+
+@pytest.mark.parametrize("thing", ["gpt2", None, 3, Path("ckpt")], ids=["hub id", "None", "int", "path"])
+def test_not_a_model_is_named(thing):
+    """A hub id or None passed as the model: a bare AttributeError ('str' object has no attribute
+    '__dict__') from inside apply_patch; unpatch likewise."""
+    with pytest.raises(UnsupportedModelError, match=f"cannot patch {type(thing).__name__}: it is not a transformers"
+                                                     f" PreTrainedModel") as info:
+        apply_patch(thing, loss="ce")
+    assert ("load the checkpoint first" in str(info.value)) == isinstance(thing, (str, Path))
+    with pytest.raises(TypeError, match=f"unpatch expects the model apply_patch patched, got {type(thing).__name__}"):
+        unpatch(thing)
 
 
 @dataclass
