@@ -59,6 +59,11 @@ def _blocks(total: int, size: int):
         yield start, min(start + size, total)
 
 
+# CPU BLAS takes other kernels for products of a few rows or columns, where an entry rounds with its
+# position (in one full logits matmul too): fewer tokens or columns than this are padded with zeros.
+_MIN_GEMM_SIZE = 16
+
+
 class _Problem:
     """Inputs of one sweep, viewed per head, with block iteration helpers."""
 
@@ -96,17 +101,42 @@ class _Problem:
             return None
         return self.u[n0:n1].to(self.cdt).transpose(0, 1), self.b[v0:v1].to(self.cdt).T
 
-    def logits(self, xc, wc, v0, v1, lr=None):
-        """Logits block [H, rows, cols] in compute dtype, softcap applied (lr: ``low_rank_chunk``), in the
-        scratch buffer "y": valid until the next block's logits."""
-        y = torch.matmul(xc, wc, out=self.scratch("y", self.h, xc.shape[1], v1 - v0))
+    def logits(self, n0, n1, v0, v1, wc):
+        """Logits block [H, n1 - n0, v1 - v0] in compute dtype, softcap applied (wc: ``weight_chunk(v0, v1)``),
+        in the scratch buffer "y": valid until the next block's logits.
+
+        Every product has one shape: a full block (or all tokens, or the whole vocabulary; at least
+        _MIN_GEMM_SIZE rows and columns, zero-padded), a last block being the end of a full-size
+        window.  CPU BLAS rounds an entry with the shape of its call: equal weight rows in a last block
+        of other width, or in a product of a few rows, gave unequal logits, and a rank tie fell either
+        side."""
+        a0, b0 = max(0, n1 - min(self.rows, self.n)), max(0, v1 - min(self.cols, self.v))
+        xc = self.hidden_chunk(a0, n1)
+        wc = wc if b0 == v0 else self.weight_chunk(b0, v1)
+        lr = self.low_rank_chunk(a0, n1, b0, v1)
+        if n1 - a0 < _MIN_GEMM_SIZE:
+            xc = self._padded("x_pad", xc, 1)
+            lr = (self._padded("u_pad", lr[0], 1), lr[1]) if lr is not None else None
+        if v1 - b0 < _MIN_GEMM_SIZE:
+            wc = self._padded("w_pad", wc, 2)
+            lr = (lr[0], self._padded("b_pad", lr[1][None], 2)[0]) if lr is not None else None
+        y = torch.matmul(xc, wc, out=self.scratch("y", self.h, xc.shape[1], wc.shape[2]))
         if lr is not None:
             y.baddbmm_(lr[0], lr[1].expand(self.h, *lr[1].shape))
+        y = y[:, n0 - a0:n1 - a0, v0 - b0:v1 - b0]
         if self.bias is not None:
             y += self.bias[v0:v1].to(self.cdt)
         if self.softcap is not None:
             y.div_(self.softcap).tanh_().mul_(self.softcap)
         return y
+
+    def _padded(self, name, t, dim):
+        """``t`` (3-D) with zeros after it along ``dim`` up to _MIN_GEMM_SIZE."""
+        shape = list(t.shape)
+        shape[dim] = _MIN_GEMM_SIZE
+        out = self.scratch(name, *shape).zero_()
+        out.narrow(dim, 0, t.shape[dim]).copy_(t)
+        return out
 
 
 class SweepStats(NamedTuple):
@@ -121,79 +151,72 @@ class SweepStats(NamedTuple):
 def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False, low_rank=None):
     """Per-head logsumexp, target logit, optional logit sum and optional target ranks.
 
-    ``labels`` [N] int64, -1 for ignored tokens (their statistics are computed but unused).
-    The target logits are formed before the sweep, by matmuls that round like the sweep's blocks
-    (``target_logits``), so that the one-head rank (entries j != t with y_j > y_t, compared in
-    float32) is counted in the same pass.  Under several heads the rank is taken under the
-    mixture, whose per-entry log-probabilities need every head's logsumexp: a second sweep.
-    Ties are decided on the float32 values: entries whose logits equal the target's exactly (a
-    duplicated weight row, or exact products) rank below it; values equal only up to rounding
-    may fall either side.
+    ``labels`` [N] int64, -1 for ignored tokens (their target is 0, their statistics unused).
+    The target logits are read off the sweep's own logits blocks, so that they are the very values
+    the ranks compare against: a logit computed by a separate matmul rounds with its shape (CPU BLAS
+    takes other kernels for a few rows), and a weight row equal to the target's then fell either side
+    of it.  Ranks therefore take a second sweep, once the targets are known: entries j != t with
+    y_j > y_t for one head, log pbar_j > log pbar_t under the mixture (compared in float32).  Entries
+    whose logits equal the target's exactly (a duplicated weight row) rank below it.
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
-    target = target_logits(pb, labels)
-    lse, logit_sum, ranks = _lse_sweep(pb, need_logit_sum, labels if need_ranks and num_heads == 1 else None, target)
-    if need_ranks and num_heads > 1:
-        ranks = _mixture_rank_sweep(pb, lse, target, labels)
+    lse, target, logit_sum = _lse_sweep(pb, need_logit_sum, labels)
+    ranks = None
+    if need_ranks:
+        ranks = _rank_sweep(pb, target, labels) if num_heads == 1 else _mixture_rank_sweep(pb, lse, target, labels)
     return SweepStats(lse, target, logit_sum, ranks)
 
 
-_TARGET_ROWS = 256  # rows per target block: its [H, m, m] products cost m / V of a sweep
-
-
-def target_logits(pb: _Problem, labels):
-    """[N, H] target logits, computed as a matmul like the sweep's blocks (then the same low-rank, bias and
-    softcap steps), not as a separate dot product: the two round alike, so a weight row equal to the
-    target's gives an exactly equal logit, a tie in the target's favour as in one full logits matmul."""
-    out = torch.empty(pb.n, pb.h, dtype=pb.cdt, device=pb.x.device)
-    for n0, n1 in _blocks(pb.n, min(_TARGET_ROWS, pb.rows, pb.cols)):  # [H, m, m] within a block's budget
-        t = labels[n0:n1].clamp_min(0)
-        wt = pb.w[t].to(pb.cdt).view(n1 - n0, pb.h, pb.dh).permute(1, 2, 0)  # [H, Dh, m]: targets as columns
-        # [H, m, m]; its diagonal is what the sweep computes for the targets
-        y = torch.matmul(pb.hidden_chunk(n0, n1), wt, out=pb.scratch("target", pb.h, n1 - n0, n1 - n0))
-        if pb.u is not None:
-            bt = pb.b[t].to(pb.cdt).T
-            y.baddbmm_(pb.u[n0:n1].to(pb.cdt).transpose(0, 1), bt.expand(pb.h, *bt.shape))
-        z = y.diagonal(dim1=1, dim2=2).T.contiguous()  # [m, H]
-        if pb.bias is not None:
-            z += pb.bias[t].to(pb.cdt)[:, None]
-        if pb.softcap is not None:
-            z.div_(pb.softcap).tanh_().mul_(pb.softcap)
-        out[n0:n1] = z
-    return out
+def _columns_in(labels, v0, v1):
+    """(rows, columns within v0:v1) of the labels that fall in the vocabulary block v0:v1."""
+    t = labels - v0
+    hit = ((t >= 0) & (t < v1 - v0)).nonzero().squeeze(1)
+    return hit, t[hit]
 
 
 def _count_above(pb, values, reference, labels, v0):
     """Per row, entries of ``values`` [rows, cols] strictly above ``reference`` [rows], target excluded."""
     above = torch.gt(values, reference[:, None], out=pb.scratch("above", *values.shape, dtype=torch.bool))
-    t = labels - v0
-    hit = ((t >= 0) & (t < values.shape[1])).nonzero().squeeze(1)
-    above[hit, t[hit]] = False
+    hit, cols = _columns_in(labels, v0, v0 + values.shape[1])
+    above[hit, cols] = False
     return above.sum(-1)
 
 
-def _lse_sweep(pb: _Problem, need_logit_sum: bool, rank_labels=None, target=None):
+def _lse_sweep(pb: _Problem, need_logit_sum: bool, labels=None):
+    """[N, H] logsumexp, target logits (given ``labels``; read off the blocks) and optional logit sums."""
     shape = (pb.h, pb.n)
     dev = pb.x.device
     m = torch.full(shape, -math.inf, dtype=pb.cdt, device=dev)
     s = torch.zeros(shape, dtype=pb.cdt, device=dev)
     ysum = torch.zeros(shape, dtype=pb.cdt, device=dev) if need_logit_sum else None
-    ranks = torch.zeros(pb.n, dtype=torch.int64, device=dev) if rank_labels is not None else None
+    target = torch.zeros(pb.n, pb.h, dtype=pb.cdt, device=dev) if labels is not None else None
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
+            y = pb.logits(n0, n1, v0, v1, wc)
+            if target is not None:  # before the in-place exp below
+                hit, cols = _columns_in(labels[n0:n1], v0, v1)
+                target[n0 + hit] = y[:, hit, cols].T
             if ysum is not None:
                 ysum[:, n0:n1] += y.sum(-1)
-            if ranks is not None:
-                ranks[n0:n1] += _count_above(pb, y[0], target[n0:n1, 0], rank_labels[n0:n1], v0)
             m_old = m[:, n0:n1]
             m_new = torch.maximum(m_old, y.amax(dim=-1))
             base = _finite_base(m_new)
             s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - base) + y.sub_(base[..., None]).exp_().sum(-1)
             m[:, n0:n1] = m_new
     lse = (m + torch.log(s)).T.contiguous()
-    return lse, (ysum.T.contiguous() if ysum is not None else None), ranks
+    return lse, target, (ysum.T.contiguous() if ysum is not None else None)
+
+
+def _rank_sweep(pb: _Problem, target, labels):
+    """One head's ranks: entries j != t with y_j > y_t, on the same blocks as the targets were read from."""
+    ranks = torch.zeros(pb.n, dtype=torch.int64, device=pb.x.device)
+    for v0, v1 in _blocks(pb.v, pb.cols):
+        wc = pb.weight_chunk(v0, v1)
+        for n0, n1 in _blocks(pb.n, pb.rows):
+            y = pb.logits(n0, n1, v0, v1, wc)
+            ranks[n0:n1] += _count_above(pb, y[0], target[n0:n1, 0], labels[n0:n1], v0)
+    return ranks
 
 
 def _finite_base(m):
@@ -223,7 +246,7 @@ def _mixture_rank_sweep(pb: _Problem, lse, target, labels):
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
+            y = pb.logits(n0, n1, v0, v1, wc)
             mix = _logsumexp_heads(y.sub_(lse_t[:, n0:n1, None]), pb)
             ranks[n0:n1] += _count_above(pb, mix, mix_target[n0:n1], labels[n0:n1], v0)
     return ranks
@@ -300,7 +323,7 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
         for n0, n1 in _blocks(pb.n, pb.rows):
             xc = pb.hidden_chunk(n0, n1)
             lr = pb.low_rank_chunk(n0, n1, v0, v1)
-            y = pb.logits(xc, wc, v0, v1, lr)
+            y = pb.logits(n0, n1, v0, v1, wc)
             if softcap is None:  # y is not needed again: dz takes its buffer
                 dz = y.sub_(lse_t[:, n0:n1, None])
             else:  # y is kept for the softcap derivative
@@ -336,7 +359,7 @@ def mixture_logprobs(x, w, bias, num_heads, softcap, low_rank=None):
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            y = pb.logits(pb.hidden_chunk(n0, n1), wc, v0, v1, pb.low_rank_chunk(n0, n1, v0, v1))
+            y = pb.logits(n0, n1, v0, v1, wc)
             logp = y.sub_(lse_t[:, n0:n1, None])
             out[n0:n1, v0:v1] = logp[0] if num_heads == 1 else _logsumexp_heads(logp, pb).sub_(log_h)
     return out, lse
@@ -361,7 +384,7 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad
     def block_terms(wc, v0, v1, n0, n1):
         """(hidden chunk, low-rank chunk, y, log p, grad * r) of one block."""
         xc, lr = pb.hidden_chunk(n0, n1), pb.low_rank_chunk(n0, n1, v0, v1)
-        y = pb.logits(xc, wc, v0, v1, lr)
+        y = pb.logits(n0, n1, v0, v1, wc)
         logp = torch.sub(y, lse_t[:, n0:n1, None], out=pb.scratch("logp", *y.shape))
         lpbar = logpbar[None, n0:n1, v0:v1]
         gr = torch.sub(logp, log_h, out=pb.scratch("gr", *y.shape)).sub_(lpbar).exp_()

@@ -127,6 +127,40 @@ def test_ranks_with_duplicated_real_valued_rows(backend, heads, low_rank, bias, 
     assert torch.equal(stats.ranks, above.sum(-1))
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("n,v,d,chunk_mb", [(1, 301, 768, None), (2, 301, 768, None), (70, 1003, 32, "0.01"),
+                                            (257, 1003, 64, "0.05")], ids=["N=1", "N=2", "tails", "token-tail"])
+def test_torch_ties_across_blocks_of_every_shape(heads, n, v, d, chunk_mb, monkeypatch):
+    """CPU BLAS rounds an entry with the shape of its product: a separate target matmul of a few rows,
+    a product of a few tokens, or a last block of other width gave a duplicated target row a logit
+    unequal to the target's, ranked above it (an RBE evaluation of a 6-token batch: 8 of 20 wrong).
+    The torch sweep reads targets off its blocks, and every product has one shape (padded, or a
+    window ending at the last block).  Each duplicate sits in another vocabulary block than its target."""
+    if chunk_mb is not None:
+        monkeypatch.setenv("HF_MHCE_CHUNK_MB", chunk_mb)
+    rows, cols = torch_sweep.block_shape(n, v, d, heads, 4, torch_sweep.chunk_bytes())
+    assert (n % rows or n < 16) and (v % cols or chunk_mb is None), (rows, cols)  # the shapes this is about
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, d, generator=g)
+        w = torch.randn(v, d, generator=g) * 3 / math.sqrt(d)
+        labels = torch.randint(0, v, (n,), generator=g)
+        for t in labels[::2].tolist():
+            w[(t * 7 + v // 2) % v] = w[t]
+        stats = torch_sweep.forward_stats(x, w, None, labels, heads, None, False, need_ranks=True)
+        # float64: duplicates tie exactly; other entries within float32 rounding of the target (rare) may
+        # fall either side, so a token's rank must lie between the counts without and with them
+        dh = d // heads
+        y = torch.einsum("nhd,vhd->nhv", x.double().view(n, heads, dh), w.double().view(v, heads, dh))
+        logp = torch.logsumexp(y - y.logsumexp(-1, keepdim=True), dim=1)
+        gap = logp - logp.gather(1, labels[:, None])
+        gap[torch.arange(n), labels] = -1.0
+        near = (gap != 0) & (gap.abs() < 1e-5 * logp.abs().amax())
+        low = ((gap > 0) & ~near).sum(-1)
+        assert ((stats.ranks >= low) & (stats.ranks <= low + near.sum(-1))).all(), seed
+        assert near.sum() <= n // 4 and (gap == 0).sum() >= n // 2  # mostly exact comparisons, and duplicates
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ranks_ignore_invalid_and_match_softcap(backend):
     g = torch.Generator().manual_seed(7)
