@@ -71,7 +71,7 @@ def _rbe(args: argparse.Namespace) -> int:
 
     from .rbe.data import (DataError, block_size_refusal, hub_lookup_failed, load_texts, load_tokenizer,
                            looks_like_a_path, remote_code_option, token_blocks)
-    from .rbe.evaluate import evaluate
+    from .rbe.evaluate import as_row, evaluate
     from .rbe.plots import MISSING, available, plot_rank_distribution
 
     def trusting():  # around every load of the checkpoint: a refusal of its custom code names the flag
@@ -110,6 +110,10 @@ def _rbe(args: argparse.Namespace) -> int:
         rows = rows[: args.max_blocks]
     if not rows:
         raise SystemExit(f"no evaluation text in {args.dataset!r}")
+    try:  # a saved token-id dataset's rows are checked (integer ids, labels) before the model loads
+        rows = [as_row(row, i) for i, row in enumerate(rows)]
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"{args.dataset!r}: {err}") from err
     longest = max(len(r["input_ids"]) for r in rows)  # token-id datasets keep their own row lengths
     if limit is not None and longest > limit:
         raise SystemExit(f"{args.dataset!r} has rows of up to {longest} token ids, more than the {limit} positions "
@@ -118,7 +122,10 @@ def _rbe(args: argparse.Namespace) -> int:
     with trusting():
         model = _load_model(args.model, args.trust_remote_code)
     vocab = model.get_input_embeddings().weight.shape[0]
-    top = max(max(r["input_ids"]) for r in rows)
+    top = max(int(r["input_ids"].max()) for r in rows)
+    low = min(int(r["input_ids"].min()) for r in rows)
+    if low < 0:
+        raise SystemExit(f"{args.dataset!r} holds token id {low}: token ids are never negative")
     if top >= vocab:
         raise SystemExit(f"the tokenizer from {tokenizer_source} gives token id {top}, but {args.model} has {vocab} "
                          "token embeddings: it is not the model's tokenizer (pass that one with --tokenizer)")

@@ -57,7 +57,7 @@ def _token_ids(values, what: str) -> torch.Tensor:
     return ids.long()
 
 
-def _as_row(row, index: int | str = 0) -> Mapping:
+def as_row(row, index: int | str = 0) -> Mapping:
     """A dict with ``input_ids`` (and ``labels``, ``attention_mask`` where given) as 1-D int64 tensors; a
     bare sequence of token ids (list, 1-D tensor, integer numpy array) is one.  ``index``: the row's, in messages."""
     if not isinstance(row, Mapping):
@@ -77,7 +77,7 @@ def _as_row(row, index: int | str = 0) -> Mapping:
 
 
 class _CheckedRows(torch.utils.data.Dataset):
-    """In-memory ``data`` (anything with a length and indexing), each row checked and converted by _as_row
+    """In-memory ``data`` (anything with a length and indexing), each row checked and converted by as_row
     as the loader reads it, named by its index in ``data``; nothing is copied up front (a datasets.Dataset
     may be far larger than memory as int64 tensors)."""
 
@@ -88,7 +88,7 @@ class _CheckedRows(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitem__(self, index):
-        return _as_row(self.data[index], index)
+        return as_row(self.data[index], index)
 
 
 def _checked_rows(data):
@@ -105,7 +105,7 @@ def pad_collate(rows: list, pad_id: int = 0, ignore_index: int = -100) -> dict:
     """Right-pad ``input_ids`` (and ``labels``, with ``ignore_index``: the model's) of variable-length
     rows: dicts with ``input_ids`` (optionally ``labels`` and ``attention_mask``; without labels, the
     masked positions are no targets), or bare sequences of token ids."""
-    rows = [_as_row(r, f"{i} of a batch") for i, r in enumerate(rows)]
+    rows = [as_row(r, f"{i} of a batch") for i, r in enumerate(rows)]
     longest = max(len(r["input_ids"]) for r in rows)
     ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), longest), ignore_index, dtype=torch.long)

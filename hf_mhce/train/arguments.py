@@ -144,6 +144,8 @@ def checkpoint_facts(path: str, trust_remote_code: bool = False) -> tuple[dict |
 
     if not os.path.exists(os.path.expanduser(path)) and looks_like_a_path(path):
         raise ValueError(f"--model {path}: no such directory")
+    if os.path.isfile(os.path.expanduser(path)):
+        raise ValueError(f"--model {path} is a file: give a checkpoint directory (or a hub id)")
     try:
         with remote_code_option(TRUST_REMOTE_CODE):
             saved, config = checkpoint_config(path, trust_remote_code)
@@ -252,6 +254,11 @@ def check_schedule(training_args) -> None:
     if steps == 0 or (steps < 0 and not epochs > 0):
         raise ValueError(f"--max_steps {steps} with --num_train_epochs {epochs} trains nothing: give a positive "
                          "--max_steps, or --num_train_epochs without --max_steps")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(training_args, name) < 1:  # else a traceback from the DataLoader or a division by 0
+            raise ValueError(f"--{name} {getattr(training_args, name)} must be at least 1")
+    if not training_args.learning_rate >= 0:
+        raise ValueError(f"--learning_rate {training_args.learning_rate} must be a non-negative number")
     resume = training_args.resume_from_checkpoint
     if resume and not os.path.isdir(resume):  # else the Trainer says so after the data is read and the model built
         raise ValueError(f"--resume_from_checkpoint {resume}: no such checkpoint directory (a checkpoint-N folder "

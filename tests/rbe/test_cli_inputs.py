@@ -246,6 +246,24 @@ def test_block_size_checks(ckpt, tmp_path, capsys):
     assert f"has rows of up to 40 token ids, more than the {POSITIONS} positions" in msg
 
 
+@pytest.mark.parametrize("ids,message", [([[5, -3, 7]], "holds token id -3: token ids are never negative"),
+                                         ([[5.0, 6.5, 7.0]], "must be a 1-D sequence of integer token ids")],
+                         ids=["negative", "float"])
+def test_bad_token_ids_are_named_before_the_model_loads(ckpt, tmp_path, capsys, ids, message, monkeypatch):
+    """Negative ids were an IndexError from the embedding, float ids a TypeError traceback from inside
+    the evaluation: one line each now, before the model is loaded."""
+    import hf_mhce.cli as cli
+
+    root, _ = ckpt
+    datasets.Dataset.from_dict({"input_ids": ids}).save_to_disk(tmp_path / "bad")
+    loads = []
+    real = cli._load_model
+    monkeypatch.setattr(cli, "_load_model", lambda *a: loads.append(a) or real(*a))
+    msg = _refused(root / "gpt2", "--dataset", tmp_path / "bad", capsys=capsys)
+    assert message in msg and "Traceback" not in msg
+    assert not loads or message.startswith("holds")  # float ids: refused before the model loads
+
+
 # -- token-id datasets with padding -------------------------------------------------------------
 
 def test_padded_token_id_rows_carry_their_mask(ckpt, tmp_path):

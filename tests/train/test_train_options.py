@@ -134,6 +134,11 @@ def test_a_used_output_dir_is_not_mixed_into(plain, tmp_path):
     (["--lora_r", "-1"], "--lora_r -1 must be >= 0"),
     (["--max_steps", "0"], "--max_steps 0 with --num_train_epochs 3.0 trains nothing"),
     (["--max_steps", "-1", "--num_train_epochs", "0"], "--max_steps -1 with --num_train_epochs 0.0 trains nothing"),
+    (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0 must be at least 1"),
+    (["--per_device_eval_batch_size", "0"], "--per_device_eval_batch_size 0 must be at least 1"),
+    (["--gradient_accumulation_steps", "0"], "--gradient_accumulation_steps 0 must be at least 1"),
+    (["--learning_rate", "-1"], "--learning_rate -1.0 must be a non-negative number"),
+    (["--model", __file__], f"--model {__file__} is a file: give a checkpoint directory"),
 ])
 def test_bad_values_are_named_before_any_data_is_read(extra, message, tmp_path, monkeypatch):
     from hf_mhce.train import job
