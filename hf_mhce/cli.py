@@ -110,10 +110,16 @@ def _rbe(args: argparse.Namespace) -> int:
         rows = rows[: args.max_blocks]
     if not rows:
         raise SystemExit(f"no evaluation text in {args.dataset!r}")
-    try:  # a saved token-id dataset's rows are checked (integer ids, labels) before the model loads
-        rows = [as_row(row, i) for i, row in enumerate(rows)]
-    except (TypeError, ValueError) as err:
-        raise SystemExit(f"{args.dataset!r}: {err}") from err
+    low = top = 0
+    for i, row in enumerate(rows):  # a saved token-id dataset's rows (integer ids, labels) before the model loads
+        try:
+            ids = as_row(row, i)["input_ids"]
+        except (TypeError, ValueError) as err:
+            raise SystemExit(f"{args.dataset!r}: {err}") from err
+        if ids.numel():
+            low, top = min(low, int(ids.min())), max(top, int(ids.max()))
+    if low < 0:
+        raise SystemExit(f"{args.dataset!r} holds token id {low}: token ids are never negative")
     longest = max(len(r["input_ids"]) for r in rows)  # token-id datasets keep their own row lengths
     if limit is not None and longest > limit:
         raise SystemExit(f"{args.dataset!r} has rows of up to {longest} token ids, more than the {limit} positions "
@@ -122,10 +128,6 @@ def _rbe(args: argparse.Namespace) -> int:
     with trusting():
         model = _load_model(args.model, args.trust_remote_code)
     vocab = model.get_input_embeddings().weight.shape[0]
-    top = max(int(r["input_ids"].max()) for r in rows)
-    low = min(int(r["input_ids"].min()) for r in rows)
-    if low < 0:
-        raise SystemExit(f"{args.dataset!r} holds token id {low}: token ids are never negative")
     if top >= vocab:
         raise SystemExit(f"the tokenizer from {tokenizer_source} gives token id {top}, but {args.model} has {vocab} "
                          "token embeddings: it is not the model's tokenizer (pass that one with --tokenizer)")
