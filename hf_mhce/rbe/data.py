@@ -322,7 +322,9 @@ def load_tokenizer(tokenizer: str | None, model: str, trust_remote_code: bool = 
     except (OSError, ValueError) as err:
         if refuses_remote_code(err):
             raise
-        raise DataError(f"could not load a tokenizer from {source}: {err}\npass --tokenizer") from err
+        hint = "check --tokenizer" if tokenizer else "pass the model's tokenizer with --tokenizer"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"could not load a tokenizer from {source} ({first}): {hint}") from err
     if len(loaded) < 2:
         raise DataError(f"the tokenizer loaded from {source} has {len(loaded)} token(s), no vocabulary: pass the "
                         "model's tokenizer with --tokenizer")

@@ -188,6 +188,8 @@ def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | N
 
     if lora_args.lora_r < 0:
         raise ValueError(f"--lora_r {lora_args.lora_r} must be >= 0 (0 trains the full model)")
+    if not 0 <= lora_args.lora_dropout < 1:  # else PEFT's error, reported as one of --lora_target_modules
+        raise ValueError(f"--lora_dropout {lora_args.lora_dropout} must be in [0, 1)")
     if lora_args.lora_r > 0 and not model_args.model:
         raise ValueError("--lora_r adapts a pretrained model: give its checkpoint with --model (without one the base "
                          "is a random Llama that is never saved, so the adapter could not be loaded again)")

@@ -127,6 +127,10 @@ def test_tokenizer_option_and_adapter_base_tokenizer(ckpt, tmp_path):
 
 def test_empty_or_wrong_tokenizer_is_refused(ckpt, tmp_path, capsys):
     root, tok = ckpt
+    # a --tokenizer that cannot be loaded: one line, which does not ask for the option that was given
+    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--tokenizer", tmp_path / "no_such_tok", capsys=capsys)
+    assert f"could not load a tokenizer from {tmp_path / 'no_such_tok'}" in msg and msg.rstrip().endswith("check --tokenizer")
+    assert "\n" not in str(msg).split("usage")[0].rstrip()
     # tokenizer_config.json alone: AutoTokenizer builds a GPT2Tokenizer with 1 token, every text -> []
     (tmp_path / "empty_tok").mkdir()
     (tmp_path / "empty_tok" / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')

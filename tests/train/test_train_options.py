@@ -132,6 +132,7 @@ def test_a_used_output_dir_is_not_mixed_into(plain, tmp_path):
     (["--hidden_size", "0"], "--hidden_size 0 must be at least 1"),
     (["--num_attention_heads", "3"], "--num_attention_heads 3 does not divide --hidden_size 32"),
     (["--lora_r", "-1"], "--lora_r -1 must be >= 0"),
+    (["--lora_dropout", "2"], "--lora_dropout 2.0 must be in [0, 1)"),
     (["--max_steps", "0"], "--max_steps 0 with --num_train_epochs 3.0 trains nothing"),
     (["--max_steps", "-1", "--num_train_epochs", "0"], "--max_steps -1 with --num_train_epochs 0.0 trains nothing"),
     (["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0 must be at least 1"),
