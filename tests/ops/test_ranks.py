@@ -134,8 +134,9 @@ def test_torch_ties_across_blocks_of_every_shape(heads, n, v, d, chunk_mb, monke
     """CPU BLAS rounds an entry with the shape of its product: a separate target matmul of a few rows,
     a product of a few tokens, or a last block of other width gave a duplicated target row a logit
     unequal to the target's, ranked above it (an RBE evaluation of a 6-token batch: 8 of 20 wrong).
-    The torch sweep reads targets off its blocks, and every product has one shape (padded, or a
-    window ending at the last block).  Each duplicate sits in another vocabulary block than its target."""
+    The torch sweep reads targets off its blocks, and every product has at least 16 rows and columns
+    (zero-padded, or a window of 16 ending at a last block).  Each duplicate sits in another vocabulary
+    block than its target."""
     if chunk_mb is not None:
         monkeypatch.setenv("HF_MHCE_CHUNK_MB", chunk_mb)
     rows, cols = torch_sweep.block_shape(n, v, d, heads, 4, torch_sweep.chunk_bytes())
