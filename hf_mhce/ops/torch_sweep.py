@@ -109,7 +109,8 @@ class _Problem:
         window of that size, a smaller whole dimension is zero-padded.  CPU BLAS takes other kernels for
         products of fewer, where an entry rounds with its position (equal weight rows gave unequal
         logits, and a rank tie fell either side); with at least 16 of each, every entry rounded as in
-        one full logits matmul (checked on MKL: random sub-products, K = 32 to 4096, bit-equal)."""
+        one full logits matmul (float32 on MKL: random sub-products, K = 32 to 4096, bit-equal; float64
+        sub-products differ from the full product at any size, so float64 ties are not exact)."""
         a0, b0 = max(0, min(n0, n1 - _MIN_GEMM_SIZE)), max(0, min(v0, v1 - _MIN_GEMM_SIZE))
         xc = self.hidden_chunk(a0, n1)
         wc = wc if b0 == v0 else self.weight_chunk(b0, v1)
