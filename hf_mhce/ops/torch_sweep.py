@@ -158,7 +158,8 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     takes other kernels for a few rows), and a weight row equal to the target's then fell either side
     of it.  Ranks therefore take a second sweep, once the targets are known: entries j != t with
     y_j > y_t for one head, log pbar_j > log pbar_t under the mixture (compared in float32).  Entries
-    whose logits equal the target's exactly (a duplicated weight row) rank below it.
+    whose logits equal the target's exactly (a duplicated weight row, float32: see ``logits``) rank
+    below it.
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     lse, target, logit_sum = _lse_sweep(pb, need_logit_sum, labels)
