@@ -20,7 +20,7 @@ threads each: see parallel_runs.py; ``--workers 1`` runs them in this process). 
 too small for intra-op threads: 2 workers x 1 thread beat 1 x 2 threads on 2 cores, and on a busy
 machine two OpenMP threads were up to ~20x slower (measured).
 Written to ``--out``: table.md, results.json (every run, per-H means, the verdict), mhce_vs_ce.png,
-the tokenizer, and runs/<H>_s<seed>/ (the main job's output: model, card, metrics.json, RBE plots).
+the tokenizer, and runs/h<H>_s<seed>/ (the main job's output: model, card, metrics.json, RBE plots).
 
 Results on 2026-11-22, CPU (2 vCPUs; 2 workers x 1 thread), default configuration: 3.34M-parameter
 Llama (hidden 192, 4 layers, 4 attention heads, MLP 512, BPE vocabulary 4096, untied head), 200 steps
