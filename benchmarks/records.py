@@ -139,16 +139,17 @@ def environment(settings: dict):
     variable restored after it (unset where it was): a setting that one run or row needs does not reach
     the next in the same process."""
     before = {key: os.environ.get(key) for key in settings}
-    for key, value in settings.items():
+    _put(settings)
+    try:
+        yield
+    finally:
+        _put(before)
+
+
+def _put(values: dict) -> None:
+    """Set each variable of ``values`` in ``os.environ``, unsetting those whose value is None."""
+    for key, value in values.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

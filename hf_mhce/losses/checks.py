@@ -27,13 +27,12 @@ class LossInputs:
 
 def as_count(value, name: str) -> int:
     """A positive integer given as any integer type (int, numpy or 0-d torch integers), never a bool."""
-    if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim() != 0):
-        count = None  # operator.index takes a bool tensor as 1 and a one-element tensor as its value
-    else:
-        try:
-            count = None if isinstance(value, bool) else operator.index(value)
-        except TypeError:
-            count = None
+    # operator.index takes a bool (tensor) as 1 and a one-element tensor as its value
+    refused = isinstance(value, bool) or (isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim()))
+    try:
+        count = None if refused else operator.index(value)
+    except TypeError:
+        count = None
     if count is None or count < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     return count

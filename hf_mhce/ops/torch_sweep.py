@@ -163,9 +163,7 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     lse, target, logit_sum = _lse_sweep(pb, need_logit_sum, labels)
-    ranks = None
-    if need_ranks:
-        ranks = _rank_sweep(pb, target, labels) if num_heads == 1 else _mixture_rank_sweep(pb, lse, target, labels)
+    ranks = _rank_sweep(pb, lse, target, labels) if need_ranks else None
     return SweepStats(lse, target, logit_sum, ranks)
 
 
@@ -210,17 +208,6 @@ def _lse_sweep(pb: _Problem, need_logit_sum: bool, labels=None):
     return lse, target, (ysum.T.contiguous() if ysum is not None else None)
 
 
-def _rank_sweep(pb: _Problem, target, labels):
-    """One head's ranks: entries j != t with y_j > y_t, on the same blocks as the targets were read from."""
-    ranks = torch.zeros(pb.n, dtype=torch.int64, device=pb.x.device)
-    for v0, v1 in _blocks(pb.v, pb.cols):
-        wc = pb.weight_chunk(v0, v1)
-        for n0, n1 in _blocks(pb.n, pb.rows):
-            y = pb.logits(n0, n1, v0, v1, wc)
-            ranks[n0:n1] += _count_above(pb, y[0], target[n0:n1, 0], labels[n0:n1], v0)
-    return ranks
-
-
 def _finite_base(m):
     """The running maximum ``m`` as the base to subtract before exp, with -inf (every entry so far
     masked, e.g. by a -inf bias) replaced by 0: exp(-inf - -inf) would be NaN, exp(-inf - 0) is 0."""
@@ -240,17 +227,19 @@ def _logsumexp_heads(t, pb=None):
     return s.log_().add_(m)
 
 
-def _mixture_rank_sweep(pb: _Problem, lse, target, labels):
-    """Ranks under the mixture: entries j != t with log pbar_j > log pbar_t (float32)."""
+def _rank_sweep(pb: _Problem, lse, target, labels):
+    """Entries j != t above the target (float32), on the same blocks as the targets were read from: of the
+    logits for one head, of the mixture's log-probabilities log pbar for several."""
     lse_t = lse.T  # [H, N]
-    mix_target = _logsumexp_heads(target.T - lse_t)  # log(H * pbar_t), [N]; a new tensor, overwritten
+    # one head: the logits themselves; several: log(H * pbar_t) [N], a new tensor (overwritten)
+    reference = target[:, 0] if pb.h == 1 else _logsumexp_heads(target.T - lse_t)
     ranks = torch.zeros(pb.n, dtype=torch.int64, device=pb.x.device)
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
             y = pb.logits(n0, n1, v0, v1, wc)
-            mix = _logsumexp_heads(y.sub_(lse_t[:, n0:n1, None]), pb)
-            ranks[n0:n1] += _count_above(pb, mix, mix_target[n0:n1], labels[n0:n1], v0)
+            values = y[0] if pb.h == 1 else _logsumexp_heads(y.sub_(lse_t[:, n0:n1, None]), pb)
+            ranks[n0:n1] += _count_above(pb, values, reference[n0:n1], labels[n0:n1], v0)
     return ranks
 
 
@@ -332,10 +321,9 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
                 dz = torch.sub(y, lse_t[:, n0:n1, None], out=pb.scratch("dz", *y.shape))
             dz.exp_().mul_(alpha_t[:, n0:n1, None])
             dz -= gamma[None, n0:n1, None]
-            t = labels[n0:n1]
-            hit = ((t >= v0) & (t < v1)).nonzero().squeeze(1)  # tokens whose target is in this chunk
+            hit, cols = _columns_in(labels[n0:n1], v0, v1)  # tokens whose target is in this chunk
             if hit.numel():
-                dz[:, hit, t[hit] - v0] -= beta_t[:, n0:n1][:, hit]
+                dz[:, hit, cols] -= beta_t[:, n0:n1][:, hit]
             if softcap is not None:  # d(c tanh(z / c)) / dz = 1 - (y / c)^2
                 dz *= y.div_(softcap).square_().neg_().add_(1.0)
             if any_invalid:  # ignored tokens (padding) contribute nothing, even with a NaN/inf hidden row,
