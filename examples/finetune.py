@@ -22,7 +22,9 @@ Changing the loss of an hf_mhce checkpoint needs --override_saved (its logits me
 the targets adapts the head, exactly, inside the fused loss); the adapter is saved to the output
 directory and, with --merge_lora (default), a merged full model to <output_dir>/merged.
 Every TrainingArguments option is accepted (--max_steps, --learning_rate, --bf16, --gradient_accumulation_steps,
---per_device_train_batch_size, --report_to, --seed, ...).  The model goes to --output_dir (default
+--per_device_train_batch_size, --report_to, --seed, ...); they may also come from one .json / .yaml file
+(``python examples/finetune.py options.yaml``).  A bad option is a usage error (exit status 2) before
+anything is trained, as in ``hf-mhce train``.  The model goes to --output_dir (default
 <out>/model) with its tokenizer and model card (the hf_mhce section: loss config, the final RBE table
 and plots); <out> gets table.md, results.json and finetune.png: every eval set's loss and RBE
 decomposition (CE = Error-Entropy + Self-Alignment - Confidence, nats) before and after fine-tuning.
@@ -55,14 +57,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from transformers import HfArgumentParser
 
 from reporting import save_figure, write_report
 
 from hf_mhce.train import DataArguments, LoraArguments, ModelArguments, TrainArguments
-from hf_mhce.train.arguments import (adapter_to_train, check_block_limits, checkpoint_facts, fuse_label_smoothing,
-                                     loss_options)
-from hf_mhce.train.job import end_distributed
+from hf_mhce.train import parse as parse_options
+from hf_mhce.train.arguments import (adapter_to_train, check_data_options, check_lora_options, check_schedule,
+                                     checkpoint_facts, fuse_label_smoothing, loss_options)
+from hf_mhce.train.job import end_distributed, refused, refusing
 
 # Pure-Python standard-library modules for the default fine-tuning data (none of them is in the
 # embedded "code" evaluation set of hf_mhce.train.corpus).
@@ -70,6 +72,7 @@ CODE_MODULES = ("argparse", "calendar", "configparser", "csv", "dataclasses", "d
                 "ipaddress", "pprint", "statistics", "enum")
 # --quick: what the test runs; options given on the command line still win.  Fine-tuning evaluates at
 # the start, at its last step (each evaluation writes the RBE plots) and at the end.
+DEFAULT_OUTPUT_DIR = "<out>/model"
 QUICK = ["--vocab_size", "300", "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64",
          "--block_size", "32", "--max_train_blocks", "64", "--max_eval_blocks", "8", "--max_steps", "6",
          "--eval_steps", "6", "--logging_steps", "3", "--per_device_train_batch_size", "4",
@@ -98,6 +101,7 @@ class FinetuneLossArguments:
 class FinetuneTrainingArguments(TrainArguments):
     """hf-mhce train's TrainingArguments with fine-tuning defaults."""
 
+    output_dir: str = field(default=DEFAULT_OUTPUT_DIR, metadata={"help": "where the model goes (default <out>/model)"})
     max_steps: int = 150
     learning_rate: float = 1e-3
     warmup_steps: int = 10
@@ -107,16 +111,39 @@ class FinetuneTrainingArguments(TrainArguments):
 
 ARGUMENTS = (ExampleArguments, ModelArguments, DataArguments, FinetuneLossArguments, LoraArguments,
              FinetuneTrainingArguments)
+PROG = "finetune.py"
 
 
 def parse(argv: list[str]):
-    parser = HfArgumentParser(ARGUMENTS, prog="finetune.py", description=__doc__.split("\n")[0])
-    if "--quick" in argv:
-        argv = QUICK + argv  # later options win
-    args = parser.parse_args_into_dataclasses(args=argv)
-    if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in argv):
+    """The dataclasses, as ``hf-mhce train`` parses (a bad option is a usage error, exit status 2; a
+    single .json / .yaml file may hold the options); --quick puts QUICK before the command line."""
+    args = parse_options(argv, ARGUMENTS, PROG, __doc__.split("\n")[0])
+    if args[0].quick:
+        if len(argv) == 1 and not argv[0].startswith("--"):
+            usage_error("--quick is a command-line option (it puts the reduced sizes before the others); "
+                        "leave it out of the options file")
+        args = parse_options(QUICK + argv, ARGUMENTS, PROG, __doc__.split("\n")[0])  # later options win
+    if args[-1].output_dir == DEFAULT_OUTPUT_DIR:
         args[-1].output_dir = os.path.join(args[0].out, "model")
     return args
+
+
+def check(example, model_args, data_args, loss_args, lora_args, training_args) -> None:
+    """Refuse bad options before anything is trained, as hf-mhce train does (its schedule, LoRA and data
+    checks; the model's are its own or the pretraining run's), and a pretraining of no steps."""
+    check_schedule(training_args)
+    check_lora_options(lora_args)
+    check_data_options(data_args)
+    if model_args.model is None and example.pretrain_steps < 1:
+        raise ValueError(f"--pretrain_steps {example.pretrain_steps} must be at least 1 (without --model the "
+                         "checkpoint to fine-tune is pretrained first)")
+    if model_args.model is not None:
+        checkpoint_facts(model_args.model, model_args.trust_remote_code)  # names a missing directory or a file
+
+
+def usage_error(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def pretrain(example, model_args, data_args, loss_args, training_args) -> tuple[str, dict]:
@@ -166,53 +193,55 @@ def main(argv: list[str] | None = None) -> dict:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     example, model_args, data_args, loss_args, lora_args, training_args = parse(argv)
-    fuse_label_smoothing(loss_args, training_args)
-    check_block_limits(data_args)
+    with refusing():  # a ValueError before training starts refuses the options or the data (cli: a usage error)
+        fuse_label_smoothing(loss_args, training_args)
+        check(example, model_args, data_args, loss_args, lora_args, training_args)
     started = time.time()
     pretrained = None
-    if model_args.model is None:
+    if model_args.model is None:  # hf-mhce train marks its own refusals
         model_args.model, pretrained = pretrain(example, model_args, data_args, loss_args, training_args)
     set_seed(training_args.seed)
 
-    # data: the model's tokenizer; fixed-size blocks (hf_mhce.train's builders)
-    with training_args.main_process_first(desc="fine-tuning data"):
-        default_data = data_args.dataset is None
-        if default_data:
-            data_args.dataset = write_code_dataset(example.out)
-        train_texts, eval_texts = build_datasets(data_args)
-    if pretrained is not None and default_data:
-        eval_texts["docs"] = corpus.embedded_texts()[1]  # the pretraining domain: what fine-tuning costs there
-    # checked against the model's vocabulary (an adapter's: its base's)
-    tokenizer = build_tokenizer(model_args, train_texts, checkpoint_facts(model_args.model, model_args.trust_remote_code)[1])
-    block = data_args.block_size
-    train_ds = corpus.lm_dataset(corpus.token_blocks(train_texts, tokenizer, block, data_args.max_train_blocks))
-    eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks))
-               for name, texts in eval_texts.items()}
+    with refusing():
+        # data: the model's tokenizer; fixed-size blocks (hf_mhce.train's builders)
+        with training_args.main_process_first(desc="fine-tuning data"):
+            default_data = data_args.dataset is None
+            if default_data:
+                data_args.dataset = write_code_dataset(example.out)
+            train_texts, eval_texts = build_datasets(data_args)
+        if pretrained is not None and default_data:
+            eval_texts["docs"] = corpus.embedded_texts()[1]  # the pretraining domain: what fine-tuning costs there
+        # checked against the model's vocabulary (an adapter's: its base's)
+        tokenizer = build_tokenizer(model_args, train_texts, checkpoint_facts(model_args.model, model_args.trust_remote_code)[1])
+        block = data_args.block_size
+        train_ds = corpus.lm_dataset(corpus.token_blocks(train_texts, tokenizer, block, data_args.max_train_blocks))
+        eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks))
+                   for name, texts in eval_texts.items()}
 
-    # the model: load, (LoRA), patch with the fused loss (kept from the checkpoint unless --loss/--num_heads).
-    # apply_patch after get_peft_model, so that the PeftModel's save (the adapter) writes the card section too.
-    if adapter_to_train(model_args, lora_args):  # an adapter saved earlier: trained on, with its hf_mhce.json
-        model = hf_mhce.from_pretrained(model_args.model, is_trainable=True,  # PEFT would load it frozen
-                                        trust_remote_code=model_args.trust_remote_code)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_args.model, trust_remote_code=model_args.trust_remote_code)
-    if lora_args.lora_r > 0:
-        model = lora_model(model, lora_args)
-    loss = loss_args.loss or ("mhce" if loss_args.num_heads else None)
-    model = hf_mhce.apply_patch(model, loss=loss, num_heads=loss_args.num_heads if loss != "ce" else None,
-                                override_saved=loss_args.override_saved, **loss_options(loss_args))
-    count_shifted_targets(model)  # GPT-2 has no loss_type: the Trainer would count labels[:, 0] as targets
-    loss_config = dict(model.config.hf_mhce)  # what the fine-tuned model will mean (saved with it)
-    trainable, total = parameter_count(model, trainable=True), parameter_count(model)
+        # the model: load, (LoRA), patch with the fused loss (kept from the checkpoint unless --loss/--num_heads).
+        # apply_patch after get_peft_model, so that the PeftModel's save (the adapter) writes the card section too.
+        if adapter_to_train(model_args, lora_args):  # an adapter saved earlier: trained on, with its hf_mhce.json
+            model = hf_mhce.from_pretrained(model_args.model, is_trainable=True,  # PEFT would load it frozen
+                                            trust_remote_code=model_args.trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_args.model, trust_remote_code=model_args.trust_remote_code)
+        if lora_args.lora_r > 0:
+            model = lora_model(model, lora_args)
+        loss = loss_args.loss or ("mhce" if loss_args.num_heads else None)
+        model = hf_mhce.apply_patch(model, loss=loss, num_heads=loss_args.num_heads if loss != "ce" else None,
+                                    override_saved=loss_args.override_saved, **loss_options(loss_args))
+        count_shifted_targets(model)  # GPT-2 has no loss_type: the Trainer would count labels[:, 0] as targets
+        loss_config = dict(model.config.hf_mhce)  # what the fine-tuned model will mean (saved with it)
+        trainable, total = parameter_count(model, trainable=True), parameter_count(model)
 
-    # Trainer + RBECallback: every evaluation gets the RBE decomposition of its loss
-    rbe = hf_mhce.RBECallback(plot=True)
-    # "before" comes from eval_on_start (step 0, inside train()), not from trainer.evaluate() before
-    # train(): in transformers 5.23 / accelerate 1.15 that marks the model as prepared, train() then
-    # skips the DDP wrapping and the processes train without synchronising gradients (measured).
-    training_args.eval_on_start = True
-    trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-                      data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
+        # Trainer + RBECallback: every evaluation gets the RBE decomposition of its loss
+        rbe = hf_mhce.RBECallback(plot=True)
+        # "before" comes from eval_on_start (step 0, inside train()), not from trainer.evaluate() before
+        # train(): in transformers 5.23 / accelerate 1.15 that marks the model as prepared, train() then
+        # skips the DDP wrapping and the processes train without synchronising gradients (measured).
+        training_args.eval_on_start = True
+        trainer = Trainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
+                          data_collator=default_data_collator, processing_class=tokenizer, callbacks=[rbe])
     train_output = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     before = step_zero_metrics(trainer.state.log_history)
     after = trainer.evaluate()
@@ -309,6 +338,18 @@ def plot(rows: list[dict], history: list[dict], path: str) -> str:
     return save_figure(fig, path)
 
 
-if __name__ == "__main__":
-    main()
+def cli(argv: list[str] | None = None) -> int:
+    """As ``hf-mhce train``: a refusal of the options or the data (raised before training starts) is a
+    usage error, exit status 2, not a traceback; a failure of training keeps its traceback."""
+    try:
+        main(argv)
+    except ValueError as err:
+        if not refused(err):
+            raise
+        usage_error(str(err))
     end_distributed()  # under accelerate launch: the process group ends here, not in exit-time destructors
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

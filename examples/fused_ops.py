@@ -17,12 +17,17 @@ from hf_mhce import linear_cross_entropy, multi_head_cross_entropy, multi_head_l
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--vocab", type=int, default=5000)
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    p.add_argument("--vocab", type=int, default=5000, help="vocabulary size V (rows of the head W)")
+    p.add_argument("--tokens", type=int, default=512, help="tokens N (rows of the hidden states X)")
+    p.add_argument("--hidden", type=int, default=128, help="hidden size D")
+    p.add_argument("--heads", type=int, default=4, help="MHCE heads H; must divide --hidden")
     args = p.parse_args()
+    for name in ("vocab", "tokens", "hidden", "heads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)} must be at least 1")
+    if args.hidden % args.heads:
+        p.error(f"--heads {args.heads} does not divide --hidden {args.hidden}: each head takes D / H columns")
     torch.manual_seed(0)
     x = torch.randn(args.tokens, args.hidden, requires_grad=True)
     w = (torch.randn(args.vocab, args.hidden) / math.sqrt(args.hidden)).requires_grad_()

@@ -64,8 +64,8 @@ import os
 import statistics
 import time
 
-from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, eval_metrics, options_argv, prepare_runs,
-                           run_jobs, sweep_parser)
+from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, check_sweep_args, eval_metrics, options_argv,
+                           prepare_runs, run_jobs, sweep_parser)
 from reporting import load_results, save_figure, write_report
 
 # The model of every run; the schedule is parallel_runs.SCHEDULE (QUICK_SCHEDULE with --quick).
@@ -81,11 +81,19 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 (quick: 0)")
     p.add_argument("--steps", type=int, default=None, help="training steps of every run")
     args, extra = p.parse_known_args(argv)
+    check_sweep_args(p, args)
     if args.seeds is None:
         args.seeds = [0] if args.quick else [0, 1]
+    if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
+        p.error(f"--seeds {args.seeds}: give distinct seeds, each at least 0")
     if 1 not in args.heads or len(set(args.heads)) < 2:
         p.error("--heads must include 1 (the CE baseline) and at least one H > 1")
-    hidden = _hidden_size(extra, (REDUCED if args.quick else DEFAULT)["hidden_size"])
+    if len(set(args.heads)) < len(args.heads):
+        p.error(f"--heads {args.heads}: give each H once")
+    try:
+        hidden = _hidden_size(extra, (REDUCED if args.quick else DEFAULT)["hidden_size"])
+    except ValueError:
+        p.error("--hidden_size (passed to every run) must be an integer")
     bad = [h for h in args.heads if h < 1 or hidden % h]
     if bad:  # before any run starts, not as a failed training job
         p.error(f"--heads {bad}: every H must be a positive divisor of the hidden size {hidden}")
@@ -255,15 +263,18 @@ def main(argv=None) -> dict:
         previous = load_results(out)
         return report(out, [{**r, "curve": [tuple(c) for c in r["curve"]]} for r in previous["runs"]],
                       previous["config"], started - previous["wall_seconds"])
-    options, tokenizer = prepare_runs(args, DEFAULT, REDUCED)
-    jobs = []
-    for seed in args.seeds:
-        for h in args.heads:
-            loss = ["--loss", "ce"] if h == 1 else ["--loss", "mhce", "--num_heads", str(h)]
-            name = f"h{h}_s{seed}"
-            jobs.append((name, ["--output_dir", os.path.join(out, "runs", name), "--tokenizer", tokenizer, *loss,
-                                "--seed", str(seed), *options_argv(options), *extra]))
-    jobs.sort(key=lambda j: -int(j[0][1:].split("_")[0]))  # slowest (largest H) first
+
+    def jobs_of(options: dict, tokenizer: str) -> list[tuple[str, list[str]]]:
+        jobs = []
+        for seed in args.seeds:
+            for h in args.heads:
+                loss = ["--loss", "ce"] if h == 1 else ["--loss", "mhce", "--num_heads", str(h)]
+                name = f"h{h}_s{seed}"
+                jobs.append((name, ["--output_dir", os.path.join(out, "runs", name), "--tokenizer", tokenizer, *loss,
+                                    "--seed", str(seed), *options_argv(options), *extra]))
+        return sorted(jobs, key=lambda j: -int(j[0][1:].split("_")[0]))  # slowest (largest H) first
+
+    options, tokenizer, jobs = prepare_runs(args, DEFAULT, REDUCED, jobs_of)
     summaries = run_jobs(jobs, out, args.workers, args.threads)
     rows = [run_row(h, seed, summaries[f"h{h}_s{seed}"]) for seed in args.seeds for h in args.heads]
     config = {"quick": args.quick, "heads": sorted(args.heads), "seeds": args.seeds, "options": options,

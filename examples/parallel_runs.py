@@ -63,18 +63,39 @@ def options_argv(options: dict) -> list[str]:
     return [x for k, v in options.items() for x in (f"--{k}", str(v))]
 
 
-def prepare_runs(args, default: dict, reduced: dict) -> tuple[dict, str]:
-    """(options shared by every run, tokenizer path): ``reduced`` under --quick, else ``default``, with
-    --steps as max_steps; the job's BPE is trained once on vocab_size (what every run would train
-    itself) and saved under args.out for all runs."""
-    from hf_mhce.train import corpus
+def check_sweep_args(p: argparse.ArgumentParser, args) -> None:
+    """The shared options' usage errors, before any work: counts below 1, --replot with nothing to redo."""
+    for name in ("workers", "threads", "steps"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)} must be at least 1")
+    if args.replot and not os.path.isfile(os.path.join(args.out, "results.json")):
+        p.error(f"--replot redoes the analysis of an earlier run, but {args.out}/results.json does not exist "
+                "(give that run's --out)")
+
+
+def prepare_runs(args, default: dict, reduced: dict, jobs_of) -> tuple[dict, str, list[tuple[str, list[str]]]]:
+    """(options shared by every run, tokenizer path, jobs): ``reduced`` under --quick, else ``default``,
+    with --steps as max_steps; ``jobs_of(options, tokenizer)`` lists the runs as (name, hf-mhce train
+    argv).  Every run's options are checked as ``hf-mhce train`` checks them before anything is
+    trained (a refused option is this script's usage error); then the job's BPE is trained once on
+    vocab_size (what every run would train itself) and saved under args.out for all runs."""
+    from hf_mhce.train import check_options, corpus
 
     options = dict(reduced if args.quick else default)
     if args.steps is not None:
         options["max_steps"] = args.steps
+    vocab_size = options.pop("vocab_size")
     path = os.path.join(args.out, "tokenizer")
-    corpus.train_tokenizer(corpus.embedded_texts()[0], options.pop("vocab_size")).save_pretrained(path)
-    return options, path
+    jobs = jobs_of(options, path)
+    for name, argv in jobs:
+        try:
+            check_options(argv)
+        except ValueError as err:
+            print(f"{os.path.basename(sys.argv[0])}: error: run {name}: hf-mhce train refuses its options: {err}",
+                  file=sys.stderr)
+            raise SystemExit(2) from None
+    corpus.train_tokenizer(corpus.embedded_texts()[0], vocab_size).save_pretrained(path)
+    return options, path, jobs
 
 
 def run_jobs(jobs: list[tuple[str, list[str]]], out: str, workers: int, threads: int) -> dict[str, dict]:

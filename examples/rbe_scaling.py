@@ -61,10 +61,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 
-from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, eval_metrics, options_argv, prepare_runs,
-                           run_jobs, sweep_parser)
+from parallel_runs import (EVAL_SETS, QUICK_SCHEDULE, SCHEDULE, check_sweep_args, eval_metrics, options_argv,
+                           prepare_runs, run_jobs, sweep_parser)
 from reporting import load_results, save_figure, write_report
 
 DEFAULT_SIZES = ["16x1", "24x1", "32x1", "48x1", "64x2", "96x2", "128x3", "192x4", "256x5", "384x6"]
@@ -83,10 +84,26 @@ def parse_args(argv=None):
     p.add_argument("--num_heads", type=int, default=4, help="MHCE heads with --loss mhce")
     p.add_argument("--seed", type=int, default=0)
     args, extra = p.parse_known_args(argv)
+    check_sweep_args(p, args)
     args.sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
-    args.head_dim = args.head_dim or (8 if args.quick else 32)
+    if args.head_dim is None:
+        args.head_dim = 8 if args.quick else 32
+    if args.head_dim < 1:
+        p.error(f"--head_dim {args.head_dim} must be at least 1")
+    if args.seed < 0:
+        p.error(f"--seed {args.seed} must be at least 0")
+    wrong = [s for s in args.sizes if not re.fullmatch(r"[1-9][0-9]*[xX][1-9][0-9]*", s)]
+    if wrong:
+        p.error(f"--sizes {wrong}: each size is DxL with positive integers (hidden size x layers), e.g. 64x2")
+    if len(set(s.lower() for s in args.sizes)) < len(args.sizes):
+        p.error(f"--sizes {args.sizes}: give each size once")
     if len(args.sizes) < 3:
         p.error("a power-law fit needs at least 3 sizes")
+    for size in args.sizes:
+        try:
+            model_options(size, args.head_dim)
+        except ValueError as err:
+            p.error(f"--sizes {size}: {err} (hidden size // --head_dim {args.head_dim})")
     return args, extra
 
 
@@ -267,16 +284,18 @@ def main(argv=None) -> dict:
     if args.replot:
         previous = load_results(out)
         return report(out, previous["rows"], previous["config"], started - previous["wall_seconds"])
-    options, tokenizer = prepare_runs(args, DEFAULT, REDUCED)
     loss = ["--loss", "ce"] if args.loss == "ce" else ["--loss", "mhce", "--num_heads", str(args.num_heads)]
-    jobs, dirs = [], {}
-    for size in args.sizes:
-        dirs[size] = os.path.join(out, "runs", size)
-        jobs.append((size, ["--output_dir", dirs[size], "--tokenizer", tokenizer, *loss, "--seed", str(args.seed),
-                            *options_argv(model_options(size, args.head_dim)), *options_argv(options), *extra]))
+    dirs = {size: os.path.join(out, "runs", size) for size in args.sizes}
     cost = {s: model_options(s, args.head_dim)["hidden_size"] ** 2 * model_options(s, args.head_dim)["num_hidden_layers"]
             for s in args.sizes}
-    jobs.sort(key=lambda j: -cost[j[0]])  # largest first
+
+    def jobs_of(options: dict, tokenizer: str) -> list[tuple[str, list[str]]]:
+        jobs = [(size, ["--output_dir", dirs[size], "--tokenizer", tokenizer, *loss, "--seed", str(args.seed),
+                        *options_argv(model_options(size, args.head_dim)), *options_argv(options), *extra])
+                for size in args.sizes]
+        return sorted(jobs, key=lambda j: -cost[j[0]])  # largest first
+
+    options, tokenizer, jobs = prepare_runs(args, DEFAULT, REDUCED, jobs_of)
     summaries = run_jobs(jobs, out, args.workers, args.threads)
     rows = sorted((size_row(s, summaries[s], dirs[s]) for s in args.sizes), key=lambda r: r["parameters"])
     config = {"quick": args.quick, "sizes": args.sizes, "head_dim": args.head_dim, "loss": args.loss,

@@ -340,6 +340,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     for k, v in base.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    for name in ("steps", "dim", "hidden", "batch", "workers", "corpus_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < (2 if name == "corpus_tokens" else 1):
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least "
+                    f"{'2 (a token and its successor)' if name == 'corpus_tokens' else 1}")
+    if not (args.lr >= 0 and args.init_std > 0 and args.weight_decay >= 0):  # also refuses nan
+        p.error(f"--lr {args.lr} and --weight-decay {args.weight_decay} must be >= 0, --init-std {args.init_std} > 0")
+    if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds) or len(set(args.heads)) < len(args.heads):
+        p.error(f"--seeds {args.seeds} / --heads {args.heads}: give each once (seeds at least 0)")
     args.hidden = args.hidden or 4 * args.dim
     bad = [h for h in args.heads if h < 1 or args.dim % h]
     if bad:

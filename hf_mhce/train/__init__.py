@@ -9,29 +9,58 @@ from .job import end_distributed, refused, run
 PROG = "hf-mhce train"
 
 
-def parse(argv: list[str] | None = None):
-    """The five argument dataclasses from a command line, or from a single .json / .yaml file."""
+def parse(argv: list[str] | None = None, arguments: tuple = ALL_ARGUMENTS, prog: str = PROG,
+          description: str = "Train a causal LM with hf_mhce's fused CE / MHCE and RBE evaluation."):
+    """The argument dataclasses (``arguments``, TrainingArguments' last) from a command line, or from
+    a single .json / .yaml file; a bad option is argparse's usage error (exit status 2).  An example
+    script passes its own dataclasses and ``prog`` (examples/finetune.py)."""
     from transformers import HfArgumentParser
 
     # allow_abbrev=False: `given` below reads the options as written, so an abbreviation argparse would
     # accept (--num_train_epoch) must be refused, not silently left out of it
-    parser = HfArgumentParser(ALL_ARGUMENTS, prog=PROG, allow_abbrev=False,
-                              description="Train a causal LM with hf_mhce's fused CE / MHCE and RBE evaluation.")
-    # argparse's usage error, as for any other bad option: a ValueError of TrainingArguments' own checks
-    # (or of an options file) is a wrong option, not a failure to show as a traceback
-    source = ""  # where the options come from, in messages
+    parser = HfArgumentParser(arguments, prog=prog, allow_abbrev=False, description=description)
+    source = argv[0] + ": " if _options_file(argv) else ""  # where the options come from, in messages
     try:
-        if argv and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-            source, options = f"{argv[0]}: ", _typed(_file_options(argv[0], parser), parser, argv[0])
-            parsed, given = parser.parse_dict(options), set(options)
-        else:
-            *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-            if unknown:
-                parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-            given = {a[2:].split("=", 1)[0].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
-                     if a.startswith("--")}
+        return _parsed(parser, argv)
     except ValueError as err:
+        # argparse's usage error, as for any other bad option: a ValueError of TrainingArguments' own
+        # checks (or of an options file) is a wrong option, not a failure to show as a traceback
         parser.error(f"{source}{err}")
+
+
+def check_options(argv: list[str]) -> None:
+    """Raise ValueError, naming the option, where ``hf-mhce train argv`` would refuse its options
+    before reading any data (the sweep examples check every run's options before the first starts)."""
+    from argparse import ArgumentError
+
+    from transformers import HfArgumentParser
+
+    from .arguments import check_arguments, check_schedule
+
+    try:  # exit_on_error=False: a value argparse cannot convert is an ArgumentError, not a usage exit
+        model_args, data_args, loss_args, lora_args, training_args = _parsed(
+            HfArgumentParser(ALL_ARGUMENTS, prog=PROG, allow_abbrev=False, exit_on_error=False), argv)
+    except ArgumentError as err:
+        raise ValueError(str(err)) from None
+    check_schedule(training_args)
+    check_arguments(model_args, data_args, loss_args, lora_args, training_args.resume_from_checkpoint)
+
+
+def _options_file(argv: list[str] | None) -> bool:
+    return bool(argv) and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
+
+
+def _parsed(parser, argv: list[str] | None) -> tuple:
+    """``parse`` without the usage error: a ValueError names what is wrong."""
+    if _options_file(argv):
+        options = _typed(_file_options(argv[0], parser), parser, argv[0])
+        parsed, given = parser.parse_dict(options), set(options)
+    else:
+        *parsed, unknown = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+        if unknown:
+            raise ValueError(f"unrecognized arguments: {' '.join(unknown)}")
+        given = {a[2:].split("=", 1)[0].replace("-", "_") for a in (argv if argv is not None else sys.argv[1:])
+                 if a.startswith("--")}
     if "num_train_epochs" in given and "max_steps" not in given:  # else the job's default max_steps wins
         parsed[-1].max_steps = -1
     return tuple(parsed)
@@ -93,5 +122,5 @@ def cli(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DataArguments", "LoraArguments", "LossArguments", "ModelArguments", "TrainArguments", "cli", "main", "parse",
-           "run"]
+__all__ = ["DataArguments", "LoraArguments", "LossArguments", "ModelArguments", "TrainArguments", "check_options", "cli",
+           "main", "parse", "run"]

@@ -186,10 +186,7 @@ def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | N
     ``checkpoint_facts`` of --model ((None, None) without one).  ``resume``: --resume_from_checkpoint."""
     from ..patching.config import resolve_config
 
-    if lora_args.lora_r < 0:
-        raise ValueError(f"--lora_r {lora_args.lora_r} must be >= 0 (0 trains the full model)")
-    if not 0 <= lora_args.lora_dropout < 1:  # else PEFT's error, reported as one of --lora_target_modules
-        raise ValueError(f"--lora_dropout {lora_args.lora_dropout} must be in [0, 1)")
+    check_lora_options(lora_args)
     if lora_args.lora_r > 0 and not model_args.model:
         raise ValueError("--lora_r adapts a pretrained model: give its checkpoint with --model (without one the base "
                          "is a random Llama that is never saved, so the adapter could not be loaded again)")
@@ -209,11 +206,11 @@ def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | N
         if model_args.hidden_size % model_args.num_attention_heads:
             raise ValueError(f"--num_attention_heads {model_args.num_attention_heads} does not divide "
                              f"--hidden_size {model_args.hidden_size}")
-    if data_args.block_size < 2:
-        raise ValueError(f"--block_size {data_args.block_size}: a block needs at least 2 tokens (an input and its target)")
-    if not 0 < data_args.eval_fraction < 1:
-        raise ValueError(f"--eval_fraction {data_args.eval_fraction} must be in (0, 1): the share held out for evaluation")
-    check_block_limits(data_args)
+        if model_args.hidden_size // model_args.num_attention_heads % 2:  # else transformers' config validation, mid-job
+            raise ValueError(f"--hidden_size {model_args.hidden_size} / --num_attention_heads "
+                             f"{model_args.num_attention_heads} = {model_args.hidden_size // model_args.num_attention_heads}: "
+                             "the Llama's rotary embedding needs an even attention head size")
+    check_data_options(data_args)
     if loss_args.sample_tokens < 0 or (loss_args.sample_tokens and not loss_args.sample_prompt):
         raise ValueError("--sample_tokens must be >= 0 and --sample_prompt not empty (--sample_tokens 0: no sample)")
     saved, config = checkpoint_facts(model_args.model, model_args.trust_remote_code) if model_args.model else (None, None)
@@ -239,6 +236,21 @@ def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | N
                          f"{resumed['num_heads']}, this run patches --loss {cfg.loss} --num_heads {cfg.num_heads}: "
                          "give the checkpoint's (or --override_saved)")
     return saved, config
+
+
+def check_lora_options(lora_args) -> None:
+    if lora_args.lora_r < 0:
+        raise ValueError(f"--lora_r {lora_args.lora_r} must be >= 0 (0 trains the full model)")
+    if not 0 <= lora_args.lora_dropout < 1:  # else PEFT's error, reported as one of --lora_target_modules
+        raise ValueError(f"--lora_dropout {lora_args.lora_dropout} must be in [0, 1)")
+
+
+def check_data_options(data_args) -> None:
+    if data_args.block_size < 2:
+        raise ValueError(f"--block_size {data_args.block_size}: a block needs at least 2 tokens (an input and its target)")
+    if not 0 < data_args.eval_fraction < 1:
+        raise ValueError(f"--eval_fraction {data_args.eval_fraction} must be in (0, 1): the share held out for evaluation")
+    check_block_limits(data_args)
 
 
 def check_block_limits(data_args) -> None:

@@ -183,7 +183,7 @@ def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
     from transformers import Trainer, default_data_collator, set_seed
 
     started = time.time()
-    with _refusing():
+    with refusing():
         check_schedule(training_args)
         saved, config = check_arguments(model_args, data_args, loss_args, lora_args, training_args.resume_from_checkpoint)
         fuse_label_smoothing(loss_args, training_args)
@@ -234,7 +234,7 @@ _REFUSED = "hf_mhce_refused"  # set on a ValueError raised before training start
 
 
 @contextlib.contextmanager
-def _refusing():
+def refusing():
     """Around everything before the first training step: a ValueError raised there refuses the options
     or the data, which the command line prints as a usage error (``refused``); one raised later (a
     failure of training itself) keeps its traceback."""
@@ -246,7 +246,7 @@ def _refusing():
 
 
 def refused(err: BaseException) -> bool:
-    """Whether ``err`` is a refusal of the options or the data (see ``_refusing``)."""
+    """Whether ``err`` is a refusal of the options or the data (see ``refusing``)."""
     return getattr(err, _REFUSED, False)
 
 

@@ -27,6 +27,17 @@ def _forward_stats(backend):
     return triton_forward.forward_stats
 
 
+def equal_rows_alike(*rows: torch.Tensor) -> torch.Tensor:
+    """For each vocabulary row, the index of one row equal to it in every tensor of ``rows`` ([V, ...]
+    each): a float64 reference indexed with it gives equal rows bit-equal logits (dgemm does not: it
+    may round an entry with its position)."""
+    key = torch.cat([r.reshape(len(r), -1).double() for r in rows], 1)
+    _, group = torch.unique(key, dim=0, return_inverse=True)
+    member = torch.empty(int(group.max()) + 1, dtype=torch.long)
+    member[group] = torch.arange(len(key))
+    return member[group]
+
+
 def brute_force_ranks(x, w, bias, labels, heads):
     """Sort-free but fully materialised: compare every entry's mixture log-prob with the target's."""
     n, d = x.shape
@@ -113,12 +124,13 @@ def test_ranks_with_duplicated_real_valued_rows(backend, heads, low_rank, bias, 
         b[labels + 1] = b[labels]
     stats = _forward_stats(backend)(x, w, b, labels, heads, softcap, False, need_ranks=True, low_rank=lr)
 
-    dh = d // heads  # float64 reference: duplicated rows give equal logits exactly
+    dh = d // heads  # float64 reference, duplicated rows made exact ties
     y = torch.einsum("nhd,vhd->nhv", x.double().view(n, heads, dh), w.double().view(v, heads, dh))
     if low_rank:
         y = y + torch.einsum("nhr,vr->nhv", lr[0].double(), lr[1].double())
     if bias:
         y = y + b.double()
+    y = y[..., equal_rows_alike(w, *([lr[1]] if low_rank else []), *([b] if bias else []))]
     if softcap:
         y = softcap * torch.tanh(y / softcap)
     logp = torch.logsumexp(y - y.logsumexp(-1, keepdim=True), dim=1)
@@ -149,10 +161,11 @@ def test_torch_ties_across_blocks_of_every_shape(heads, n, v, d, chunk_mb, monke
         for t in labels[::2].tolist():
             w[(t * 7 + v // 2) % v] = w[t]
         stats = torch_sweep.forward_stats(x, w, None, labels, heads, None, False, need_ranks=True)
-        # float64: duplicates tie exactly; other entries within float32 rounding of the target (rare) may
+        # float64, duplicates made exact ties; other entries within float32 rounding of the target (rare) may
         # fall either side, so a token's rank must lie between the counts without and with them
         dh = d // heads
         y = torch.einsum("nhd,vhd->nhv", x.double().view(n, heads, dh), w.double().view(v, heads, dh))
+        y = y[..., equal_rows_alike(w)]
         logp = torch.logsumexp(y - y.logsumexp(-1, keepdim=True), dim=1)
         gap = logp - logp.gather(1, labels[:, None])
         gap[torch.arange(n), labels] = -1.0

@@ -131,6 +131,7 @@ def test_a_used_output_dir_is_not_mixed_into(plain, tmp_path):
     (["--vocab_size", "10"], "--vocab_size 10 is less than 257, the smallest byte-level BPE"),
     (["--hidden_size", "0"], "--hidden_size 0 must be at least 1"),
     (["--num_attention_heads", "3"], "--num_attention_heads 3 does not divide --hidden_size 32"),
+    (["--hidden_size", "20", "--num_attention_heads", "4"], "= 5: the Llama's rotary embedding needs an even"),
     (["--lora_r", "-1"], "--lora_r -1 must be >= 0"),
     (["--lora_dropout", "2"], "--lora_dropout 2.0 must be in [0, 1)"),
     (["--max_steps", "0"], "--max_steps 0 with --num_train_epochs 3.0 trains nothing"),
@@ -147,6 +148,23 @@ def test_bad_values_are_named_before_any_data_is_read(extra, message, tmp_path, 
     monkeypatch.setattr(job, "build_datasets", lambda *_: pytest.fail("data read before the options were checked"))
     with pytest.raises(ValueError, match=re.escape(message)):
         _run(tmp_path / "o", *extra)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max_steps", "abc"], "--max_steps/--max-steps: invalid int value: 'abc'"),
+    (["--no_such_option", "1"], "unrecognized arguments: --no_such_option 1"),
+    (["--block_size", "0"], "--block_size 0: a block needs at least 2 tokens"),
+    (["--max_steps", "0"], "--max_steps 0 with --num_train_epochs 3.0 trains nothing"),
+    (["--loss", "mhce", "--num_heads", "5"], "--num_heads 5 does not divide --hidden_size 128"),
+])
+def test_check_options_names_what_the_job_would_refuse_as_a_value_error(argv, message, tmp_path, capsys):
+    """What the sweep examples call on every run's options: a ValueError, never argparse's exit."""
+    from hf_mhce.train import check_options
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_options(["--output_dir", str(tmp_path / "o"), *argv])
+    check_options(["--output_dir", str(tmp_path / "o"), "--loss", "mhce", "--num_heads", "4"])
+    assert capsys.readouterr().err == ""
 
 
 def test_checkpoint_facts_are_checked_before_any_data_is_read(plain, tmp_path, monkeypatch):
