@@ -22,34 +22,35 @@ machine two OpenMP threads were up to ~20x slower (measured).
 Written to ``--out``: table.md, results.json (every run, per-H means, the verdict), mhce_vs_ce.png,
 the tokenizer, and runs/h<H>_s<seed>/ (the main job's output: model, card, metrics.json, RBE plots).
 
-Results on 2026-11-22, CPU (2 vCPUs; 2 workers x 1 thread), default configuration: 3.34M-parameter
+Results on 2026-11-24, CPU (2 vCPUs; 2 workers x 1 thread), default configuration: 3.34M-parameter
 Llama (hidden 192, 4 layers, 4 attention heads, MLP 512, BPE vocabulary 4096, untied head), 200 steps
 x 16 blocks x 64 tokens (205k tokens, 2 epochs of the 103k training tokens), AdamW lr 3e-3, weight
 decay 0.01, cosine schedule, warm-up 20, seeds 0 and 1 (mean and ± std over the seeds; ppl = exp of
 the mean loss); evaluation on all of "docs" (9450 tokens) and "code" (24318 tokens).  Wall time
-8 min 27 s (985 s of CPU) on an otherwise quiet machine (1-min load average 1.9 = the two workers);
-"s / run" is each run's wall time with the other worker running beside it.
+5 min 0 s (1-min load average 2.4: the two workers and a test process beside them); "s / run" is
+each run's wall time with the other worker running beside it.  (The 2026-11-22 run, 8 min 27 s on a
+slower day, agreed to about 0.01 nats per mean; there H = 2 / 4 / 8 took 1.2x / 1.3x / 1.9x CE's time.)
 
 | H | loss | docs ppl | docs CE | docs EE | docs SA | docs Conf | docs top-1 | code ppl | code CE | code EE | code SA | code Conf | code top-1 | train loss | s / run |
 |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-| 1 | ce | 350.1 | 5.858 ± 0.061 | 5.761 | 0.164 | 0.067 | 0.110 | 1166.6 | 7.062 ± 0.045 | 6.832 | 0.253 | 0.024 | 0.046 | 6.041 | 87 |
-| 2 | mhce | 392.7 | 5.973 ± 0.063 | 5.855 | 0.121 | 0.003 | 0.111 | 1166.3 | 7.062 ± 0.013 | 6.896 | 0.210 | 0.044 | 0.039 | 6.175 | 101 |
-| 4 | mhce | 479.6 | 6.173 ± 0.010 | 6.016 | 0.110 | -0.047 | 0.103 | 1217.7 | 7.105 ± 0.060 | 6.975 | 0.162 | 0.032 | 0.040 | 6.377 | 116 |
-| 8 | mhce | 572.7 | 6.350 ± 0.034 | 6.144 | 0.111 | -0.095 | 0.094 | 1267.7 | 7.145 ± 0.010 | 6.953 | 0.177 | -0.015 | 0.037 | 6.582 | 165 |
+| 1 | ce | 349.9 | 5.858 ± 0.058 | 5.762 | 0.163 | 0.068 | 0.110 | 1170.3 | 7.065 ± 0.046 | 6.835 | 0.253 | 0.024 | 0.045 | 6.041 | 69 |
+| 2 | mhce | 393.3 | 5.974 ± 0.073 | 5.856 | 0.122 | 0.003 | 0.113 | 1158.8 | 7.055 ± 0.019 | 6.895 | 0.213 | 0.052 | 0.037 | 6.179 | 66 |
+| 4 | mhce | 479.8 | 6.173 ± 0.010 | 6.016 | 0.111 | -0.047 | 0.102 | 1212.0 | 7.100 ± 0.051 | 6.978 | 0.154 | 0.032 | 0.040 | 6.377 | 66 |
+| 8 | mhce | 572.7 | 6.350 ± 0.034 | 6.146 | 0.112 | -0.093 | 0.094 | 1268.3 | 7.145 ± 0.010 | 6.950 | 0.180 | -0.016 | 0.037 | 6.582 | 80 |
 
 The verdict the script prints (computed from the numbers above):
-On held-out docs, CE reaches perplexity 350.1; MHCE H=2 392.7 (+12.2 %), H=4 479.6 (+37.0 %), H=8 572.7
-(+63.6 %). MHCE loses at H = 4, 8; H = 2 is within twice the seed-to-seed standard error of CE. The
-largest difference (H=8, +0.492 nats) splits as CE = EE + SA - Conf into Error-Entropy +0.384,
-Self-Alignment -0.053, Confidence -0.162; the main term is higher Error-Entropy (top-1 accuracy 0.110
-with CE, 0.094 with H=8). With growing H (vs CE): Error-Entropy rises (+0.094, +0.255, +0.384) and
-Confidence falls (-0.064, -0.113, -0.162). On out-of-domain code, CE reaches perplexity 1166.6; MHCE H=2
-1166.3 (-0.0 %), H=4 1217.7 (+4.4 %), H=8 1267.7 (+8.7 %). MHCE loses at H = 8; H = 2, 4 are within
-twice the seed-to-seed standard error of CE. The largest difference (H=8, +0.083 nats) splits as CE = EE
-+ SA - Conf into Error-Entropy +0.121, Self-Alignment -0.077, Confidence -0.039; the main term is higher
-Error-Entropy (top-1 accuracy 0.046 with CE, 0.037 with H=8). Wall time per run relative to CE (CPU,
-same steps): H=2 1.2x, H=4 1.3x, H=8 1.9x. Caveat: 2 seeds per H, one model size, one learning rate
-tuned for nothing in particular, a 100k-token corpus.
+On held-out docs, CE reaches perplexity 349.9; MHCE H=2 393.3 (+12.4 %), H=4 479.8 (+37.1 %), H=8 572.7
+(+63.7 %). MHCE loses at H = 4, 8; H = 2 is within twice the seed-to-seed standard error of CE. The
+largest difference (H=8, +0.493 nats) splits as CE = EE + SA - Conf into Error-Entropy +0.384,
+Self-Alignment -0.051, Confidence -0.160; the main term is higher Error-Entropy (top-1 accuracy 0.110 with
+CE, 0.094 with H=8). With growing H (vs CE): Error-Entropy rises (+0.094, +0.254, +0.384) and Confidence
+falls (-0.064, -0.114, -0.160). On out-of-domain code, CE reaches perplexity 1170.3; MHCE H=2 1158.8 (-1.0
+%), H=4 1212.0 (+3.6 %), H=8 1268.3 (+8.4 %). MHCE loses at H = 8; H = 2, 4 are within twice the
+seed-to-seed standard error of CE. The largest difference (H=8, +0.080 nats) splits as CE = EE + SA - Conf
+into Error-Entropy +0.115, Self-Alignment -0.074, Confidence -0.039; the main term is higher Error-Entropy
+(top-1 accuracy 0.045 with CE, 0.037 with H=8). Wall time per run relative to CE (CPU, same steps): H=2
+1.0x, H=4 1.0x, H=8 1.2x. Caveat: 2 seeds per H, one model size, one learning rate tuned for nothing in
+particular, a 100k-token corpus.
 
 In short: at this size and budget MHCE does not beat CE; on the in-domain held-out docs perplexity
 grows with H (H=2 within seed noise), mostly through a larger Error-Entropy (the targets' ranks

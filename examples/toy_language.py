@@ -36,7 +36,8 @@ one).  Written to --out: table.md, results.json (per seed and mean/std), toy_lan
 Results on 2026-11-22, CPU (2 cores, 2 worker processes with 1 thread each), default configuration
 (D=64, init std 0.1, 1500 steps x batch 256, seeds 0, 1, 2; mean +- std over the seeds).  135 s of
 CPU time in all, so about 70-80 s of wall time on 2 idle cores; 3 min 28 s on the shared, busy
-machine where it was measured (the run got 66 % of the 2 cores).
+machine where it was measured (the run got 66 % of the 2 cores).  Rerun on 2026-11-24: the same
+table to every printed digit, 29 s of wall time on a quieter day.
 
 | H | PC1+PC2 % (ours) | PC1+PC2 % (published) | PC1..3 % | 2-D nearest-centroid acc | tightness 2-D | tightness D-dim | eval CE - optimum (nats) | next-class acc |
 |---:|---:|---:|---:|---:|---:|---:|---:|---:|
