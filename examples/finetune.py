@@ -59,7 +59,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-
 from reporting import save_figure, write_report
 
 from hf_mhce.train import DataArguments, LoraArguments, ModelArguments, TrainArguments
