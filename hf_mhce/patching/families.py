@@ -100,8 +100,11 @@ FAMILIES: dict[str, LogitFacts] = {
 TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 
 # Output fields the generic forward fills: loss and logits itself, the rest from the decoder.
-PASSTHROUGH_FIELDS = ("past_key_values", "hidden_states", "attentions", "cross_attentions", "cache_params",
-                      "image_hidden_states", "video_hidden_states", "audio_hidden_states")  # the last: multimodal bases
+# transformers >= 5.24 names past_key_values "cache" and returns a multimodal base's encoder outputs as
+# image/video/audio_outputs (the *_hidden_states fields before it).
+PASSTHROUGH_FIELDS = ("past_key_values", "cache", "hidden_states", "attentions", "cross_attentions", "cache_params",
+                      "image_hidden_states", "video_hidden_states", "audio_hidden_states",
+                      "image_outputs", "video_outputs", "audio_outputs")
 
 REQUIREMENT = (
     "hf_mhce.apply_patch supports the families {tested} (tested end to end), {known} (family table, "
@@ -110,8 +113,8 @@ REQUIREMENT = (
     "(model.get_decoder()(...).last_hidden_state)` (or model.model where get_decoder() returns the model itself): "
     "an nn.Linear head (optionally wrapped by PEFT LoRA or "
     "modules_to_save) applied to the decoder's last hidden state, returning a ModelOutput with only the "
-    "fields loss, logits, past_key_values, hidden_states, attentions, cross_attentions, cache_params, "
-    "image/video/audio_hidden_states (and, for a mixture of "
+    "fields loss, logits, past_key_values (or cache), hidden_states, attentions, cross_attentions, cache_params, "
+    "image/video/audio_hidden_states or image/video/audio_outputs (and, for a mixture of "
     "experts, aux_loss and router_logits, with the loss adding transformers' load_balancing_loss_func)"
 )
 

@@ -82,7 +82,8 @@ def test_logits_outputs_and_signature(family):
         assert type(o) is expected_type
         torch.testing.assert_close(o.logits, r.logits, rtol=0, atol=0)
         assert len(o.hidden_states) == len(r.hidden_states) and len(o.attentions) == len(r.attentions)
-        assert o.past_key_values is not None
+        cache = "cache" if "cache" in type(o).__dataclass_fields__ else "past_key_values"  # transformers >= 5.24: cache
+        assert getattr(o, cache) is not None and type(getattr(o, cache)) is type(getattr(r, cache))
         # logits_to_keep as generate() uses it
         torch.testing.assert_close(model(ids, logits_to_keep=1).logits, ref(ids, logits_to_keep=1).logits)
         # asked-for logits next to the fused loss; tuples as with return_dict=False
