@@ -4,7 +4,8 @@
     python benchmarks/compile_check.py --sweep            # plus candidate tiles: registers, spills, shared memory
 
 The kernels' host functions run on CPU tensors with their launches recorded instead of executed, and
-each recorded launch (argument types, constexprs, num_warps) is compiled through Triton's own
+each recorded launch (argument types, constexprs, num_warps, and the specializations Triton's JIT
+derives from the values: 16-byte aligned pointers, integers divisible by 16) is compiled through Triton's own
 pipeline for sm_90a and sm_80: TTIR -> PTX -> cubin with the ptxas that ships with Triton.  This
 catches what the interpreter cannot (code that only fails to compile, a tile that needs more shared
 memory than the SM has) and shows each variant's registers, spill bytes and MMA instructions (wgmma
@@ -30,16 +31,13 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from records import Record, add_out_options  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from hf_mhce.ops import triton_backward, triton_forward, triton_forward_grad  # noqa: E402
 from hf_mhce.ops.triton_tile import _HOPPER_16BIT, override_tiles  # noqa: E402
 
 TARGETS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}  # capability, shared memory per block (bytes)
-_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
-          torch.int32: "i32"}
-_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 
 
 def record_launches(run) -> list[tuple]:
@@ -54,24 +52,17 @@ def record_launches(run) -> list[tuple]:
     return launches
 
 
-def signature(kernel, args, kwargs) -> tuple[dict, dict]:
-    """Triton's (signature, constexprs) of one launch, typed as a launch from these values would be."""
-    values = dict(zip(kernel.arg_names, args))
-    values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
-    sig, constexprs = {}, {}
-    for i, param in enumerate(kernel.params):
-        v = values[param.name]
-        if param.is_constexpr:
-            sig[param.name], constexprs[(i,)] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[param.name] = "*" + _TYPES[v.dtype]
-        elif isinstance(v, bool):
-            sig[param.name] = "i1"
-        elif isinstance(v, int):
-            sig[param.name] = "i32" if -2**31 <= v < 2**31 else "i64"
-        else:
-            sig[param.name] = "fp32"
-    return sig, constexprs
+def specialize(kernel, args, kwargs, target) -> tuple[dict, dict, dict, dict]:
+    """Triton's (options, signature, constexprs, attrs) for one launch from these values on ``target``,
+    through the JIT's own binder: the attrs carry what a device launch specializes on (pointers aligned
+    to 16 bytes, integers divisible by 16).  Compiled without them, a kernel's loads and MMA operands
+    lose their vector widths and ptxas reported spills a device never showed (1276 bytes against 0 for
+    the 128 x 256 x 64 forward on Hopper, H100 tile sweep 2026-11-24)."""
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, sig, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return options.__dict__, sig, constexprs, attrs
 
 
 def ptxas_report(ptx: str, capability: int, arch: str) -> tuple[int, int]:
@@ -90,27 +81,31 @@ def ptxas_report(ptx: str, capability: int, arch: str) -> tuple[int, int]:
 
 def compile_launch(kernel, args, kwargs, arch: str) -> dict:
     capability, smem_limit = TARGETS[arch]
-    sig, constexprs = signature(kernel, args, kwargs)
-    options = {k: kwargs[k] for k in _OPTIONS if k in kwargs}
-    compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", capability, 32),
-                              options=options)
+    target = GPUTarget("cuda", capability, 32)
+    options, sig, constexprs, attrs = specialize(kernel, args, kwargs, target)
+    compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options)
     ptx = compiled.asm["ptx"]
     registers, spills = ptxas_report(ptx, capability, arch)
     return {"arch": arch, "shared_bytes": compiled.metadata.shared, "shared_fits": compiled.metadata.shared <= smem_limit,
             "registers": registers, "spill_bytes": spills, "num_warps": compiled.metadata.num_warps,
-            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync")}
+            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+            "divisible_args": sum(["tt.divisibility", 16] in a for a in attrs.values()),
+            "pointer_args": sum(t.startswith("*") for t in sig.values())}
 
 
-VARIANTS = {  # name: (dtype, heads, bias, softcap, low_rank, ranks)
+VARIANTS = {  # name: (dtype, heads, bias, softcap, low_rank, ranks[, tokens, hidden, vocabulary])
     "ce bf16 + ranks": (torch.bfloat16, 1, False, None, False, True),
     "mhce4 bf16, bias, softcap, LoRA, ranks": (torch.bfloat16, 4, True, 30.0, True, True),
     "ce fp16": (torch.float16, 1, False, None, False, False),
     "ce fp32": (torch.float32, 1, False, None, False, False),
+    "ce bf16 + ranks, odd N and V": (torch.bfloat16, 1, False, None, False, True, 300, 512, 1001),  # GPT-2's V
 }
 
 
-def drive(dtype, heads, bias, softcap, low_rank, ranks, n=300, d=512, v=1000):
-    """Run the forward and backward host functions once (their launches are recorded, not run)."""
+def drive(dtype, heads, bias, softcap, low_rank, ranks, n=1024, d=512, v=2048):
+    """Run the forward and backward host functions once (their launches are recorded, not run).  The
+    sizes are specialized on (divisible by 16 or not) as at the benchmark's Llama-3 and Mistral shapes;
+    the odd variant stands for GPT-2's V = 50257 and ragged batches."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(n, d, generator=g).to(dtype), torch.randn(v, d, generator=g).to(dtype)
     b = torch.randn(v, generator=g).to(dtype) if bias else None
@@ -154,7 +149,7 @@ def check(variants, archs, tiles=None, only=None) -> list[dict]:
     return rows
 
 
-KERNEL_NAMES = {"forward": "_forward_kernel", "backward": "_dlogits_kernel"}  # launch settings -> kernel
+KERNEL_NAMES = {"forward": "_forward_kernel", "backward": "_dlogits_kernel", "ranks": "_mixture_rank_kernel"}
 # launch settings -> the kernels (as rows name them) that take them
 SETTINGS_USERS = {"forward": {"forward_kernel", "target_kernel"}, "backward": {"dlogits_kernel"},
                   "ranks": {"mixture_rank_kernel"}}
@@ -167,13 +162,16 @@ def sweep_candidates():
         yield "ce bf16 + ranks", kernel, {"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "num_warps": warps}
     for kernel, bk in itertools.product(("forward", "backward"), (16, 32, 64)):  # float32: FMA, operands in registers
         yield "ce fp32", kernel, {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": bk, "num_warps": 8}
+    for bv in (64, 128):  # the mixture ranks' tiles at H = 4
+        yield "mhce4 bf16, bias, softcap, LoRA, ranks", "ranks", {"BLOCK_N": 64, "BLOCK_V": bv, "BLOCK_K": 64}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--sweep", action="store_true", help="also compile candidate tiles (bf16 and fp32 CE, sm_90a)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also compile candidate tiles (bf16 CE and H=4 ranks for sm_90a, fp32 CE for both)")
     add_out_options(p)
     args = p.parse_args(argv)
     stamp = datetime.date.today().isoformat()
@@ -186,8 +184,9 @@ def main(argv=None):
                      if any(r["kernel"] in SETTINGS_USERS[k] for k in _HOPPER_16BIT)]
     if args.sweep:
         for variant, kernel, tile in sweep_candidates():
+            archs = ["sm_90a", "sm_80"] if "fp32" in variant else ["sm_90a"]  # float32 tiles are not Hopper's own
             rows += [{**row, "variant": f"sweep {kernel}" + (", fp32" if "fp32" in variant else "")} for row in
-                     check({variant: VARIANTS[variant]}, ["sm_90a"], {kernel: tile}, KERNEL_NAMES[kernel])]
+                     check({variant: VARIANTS[variant]}, archs, {kernel: tile}, KERNEL_NAMES[kernel])]
     keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"# Triton kernels compiled for {', '.join(args.arch)} without a GPU ({stamp}, triton {triton.__version__})",
              "", "Registers and spill bytes from ptxas -v; shared memory from Triton's metadata. No timings.", "",

@@ -49,18 +49,18 @@ def dot_settings(dtype: torch.dtype) -> dict:
 # num_warps equal so that both accumulate in the same order (exact ties; see target_logits_tile).
 _GPU_DEFAULTS = {
     "forward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 64, "SPLITS": None},
-    # the dY slab kernel: the largest tile that ptxas compiles without spills for sm_90a (compile_check.py
-    # --sweep); GPU timings owed (tile_sweep.py)
+    # the dY slab kernel: GPU timings owed (tile_sweep.py).  Compiled as launches specialize, 128 x 128 and
+    # 64 x 256 at 8 warps do not spill either (compile-check-2026-11-24-sweep.md), so the sweep decides
     "backward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 32, "GROUP_N": 8},
-    "ranks": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 64},  # BLOCK_V 128 spills 956 bytes at H=4, 64: 84
+    "ranks": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 64},  # at H=4 neither 64 nor 128 spills: the GPU decides
 }
-# float32 inputs take exact FMA products (no tensor cores), whose operands sit in registers: at BLOCK_K
-# 32-64 ptxas spills up to 1.5 KB per thread (backward, forward on sm_80); at 16 none, in every kernel
-# (compile-check-2026-11-23.md).  Same BLOCK_K for the three kernels, as the ranks' ties require.
+# float32 inputs take exact FMA products (no tensor cores), whose operands sit in registers: for sm_80
+# ptxas spills 1 KB per thread in the forward at BLOCK_K 64, 12-20 bytes at 16-32, none on sm_90a
+# (compile-check-2026-11-24-sweep.md).  Same BLOCK_K for the three kernels, as the ranks' ties require.
 _GPU_FLOAT32 = {"BLOCK_K": 16}
 # Hopper (sm_90), 16-bit: the H100 sweep's fastest forward, 29.4 ms against 50.7 for the default tiles at
 # Llama-3-8B's head and N = 16384 (tile_sweep-NVIDIA-H100-80GB-HBM3-2026-11-24-budget-s_240.md, Triton 3.6).
-# Hopper only: for sm_80 ptxas spills 10 KB per thread at these tiles (compile-check-2026-11-24-sweep.md).
+# Hopper only: the sweep that chose them ran on an H100 (for sm_80 they also spill, compile_check.py).
 # BLOCK_K and num_warps stay those of the ranks kernel.
 _HOPPER_16BIT = {"forward": {"BLOCK_N": 128, "BLOCK_V": 256, "num_stages": 4}}
 _INTERPRETER = {"BLOCK_N": 16, "BLOCK_V": 32, "BLOCK_K": 16, "num_warps": 1, "SPLITS": 1, "GROUP_N": 2}
@@ -74,7 +74,7 @@ def launch_config(kernel: str, dtype: torch.dtype, device: torch.device | None =
     if interpreting():
         cfg = {k: v for k, v in _INTERPRETER.items() if k in _GPU_DEFAULTS[kernel] or k == "num_warps"}
     else:
-        # 8 warps whatever the head width: at 4, 128 x 256 tiles spill 6 KB per thread (H100 sweep)
+        # 8 warps whatever the head width: at 4, 128 x 256 tiles spill and run 7x slower (H100 sweep)
         cfg = {**_GPU_DEFAULTS[kernel], "num_warps": 8}
         if dtype == torch.float32:
             cfg.update(_GPU_FLOAT32)

@@ -30,3 +30,32 @@ def test_every_kernel_variant_compiles_for_hopper_and_ampere(tmp_path):
         assert 0 < r["registers"] <= 255, r
         if r["kernel"] in tiles and not r["variant"].endswith("fp32"):  # 16-bit inputs run on tensor cores: wgmma on Hopper
             assert (r["wgmma"] > 0) if r["arch"] == "sm_90a" else (r["mma_sync"] > 0), r
+    # compiled as a device launch specializes them (Triton's binder): fresh tensors are 16-byte aligned, and
+    # odd N and V leave fewer integers divisible by 16 (a compile without these attributes reported spills
+    # that the H100 never showed)
+    forward = {r["variant"]: r for r in rows if r["kernel"] == "forward_kernel" and r["arch"] == "sm_90a"}
+    even, odd = forward["ce bf16 + ranks"], forward["ce bf16 + ranks, odd N and V"]
+    assert even["divisible_args"] > odd["divisible_args"] >= even["pointer_args"] == odd["pointer_args"] > 0
+
+
+def test_compiled_here_as_the_h100_compiled_it(tmp_path):
+    """compile_vs_device.py on two rows of the H100 tile sweep: the Hopper forward tile (128 x 256 x 64,
+    8 warps, 4 stages: 247 registers, no spills on the device) and the same tile with 4 warps (spills).
+    A compile without the launch's specializations reported 1276 spill bytes for the first."""
+    record = BENCH / "results" / "tile_sweep-NVIDIA-H100-80GB-HBM3-2026-11-24-budget-s_240.json"
+    rows = [r for r in json.loads(record.read_text()) if r["stage"] == "forward tiles" and "regs" in r]
+    hopper = {"BLOCK_N": 128, "BLOCK_V": 256, "BLOCK_K": 64, "num_stages": 4}
+    picked = [next(r for r in rows if r["settings"] == {**hopper, "num_warps": warps}) for warps in (8, 4)]
+    assert [r["regs"] for r in picked] == [247, 255] and picked[1]["spills"] > 0 == picked[0]["spills"]
+    (tmp_path / "sweep.json").write_text(json.dumps(picked))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "OUT")}
+    script = str(BENCH / "compile_vs_device.py")
+    proc = subprocess.run([sys.executable, script, str(tmp_path / "sweep.json"), "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(next(tmp_path.glob("compile-vs-device-*.json")).read_text())
+    assert [r["spills_agree"] for r in got] == [True, True], got
+    assert got[0]["registers"] == 247, got  # Triton 3.6 (the device's) and 3.9 alike
+    bad = subprocess.run([sys.executable, script, str(tmp_path / "missing.json"), "--out", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "cannot read the sweep record" in bad.stderr, bad.stderr[-2000:]

@@ -95,9 +95,9 @@ def test_other_tile_shapes(kernel, settings):
 def test_gpu_settings_keep_rank_ties(monkeypatch, dtype, capability):
     """On a GPU the rank kernel must accumulate its tiles like the forward's target tile (same BLOCK_K
     and num_warps) for exact ties, for every dtype and architecture; float32 (FMA products, operands in
-    registers) takes BLOCK_K 16, where no kernel spills (benchmarks/results/compile-check-2026-11-23.md).
-    Hopper's 16-bit forward takes the H100 sweep's 128 x 256 tiles; elsewhere (sm_80 spills 10 KB per
-    thread at those) the default 64 x 128."""
+    registers) takes BLOCK_K 16, where ptxas spills least (benchmarks/results/compile-check-2026-11-24-sweep.md).
+    Hopper's 16-bit forward takes the H100 sweep's 128 x 256 tiles; elsewhere (not timed there) the
+    default 64 x 128."""
     _, tile = _triton()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(tile, "_capability", lambda device: capability)
