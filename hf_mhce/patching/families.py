@@ -96,6 +96,7 @@ FAMILIES: dict[str, LogitFacts] = {
     "granitemoe_swa": LogitFacts(divide_attr="logits_scaling"),
     "glm4_moe": _PLAIN,  # router logits only: no load-balancing loss
     "cohere2_moe": _COHERE,  # router logits only
+    "inkling2_loop_text": LogitFacts(softcap_attr="final_logit_softcapping", float32_logits=True),  # router logits only
 }
 TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 
@@ -340,7 +341,10 @@ def check_structure(model: nn.Module) -> tuple[type, nn.Module, RouterFacts | No
         router = router_facts(model, stock_forward(type(model)))
         if isinstance(router, str):
             raise unsupported(model, router)
-    extra = sorted(names - {"loss", "logits", *PASSTHROUGH_FIELDS, *(ROUTER_FIELDS if router else ())})
+    # router logits without an aux_loss field (Inkling-2 Loop): passed through, no loss term to add (the
+    # verification probe shows one that the family's forward would add anyway)
+    routed = ROUTER_FIELDS if router else ("router_logits",) if "aux_loss" not in names else ()
+    extra = sorted(names - {"loss", "logits", *PASSTHROUGH_FIELDS, *routed})
     if "logits" not in names or extra:
         raise unsupported(model, f"its output type {out_cls.__name__} has fields {extra} the generic forward cannot fill")
     return out_cls, decoder, router
