@@ -57,6 +57,7 @@ class LogitFacts:
 _PLAIN = LogitFacts()
 _SOFTCAP = LogitFacts(softcap_attr="final_logit_softcapping")
 _COHERE = LogitFacts(multiply_attr="logit_scale", scale_owner="")
+_INKLING2 = LogitFacts(softcap_attr="final_logit_softcapping", float32_logits=True)  # Inkling-2 and its Loop variant
 
 # model_type -> facts.  Tested in tests/patching against the unpatched model.
 FAMILIES: dict[str, LogitFacts] = {
@@ -96,7 +97,8 @@ FAMILIES: dict[str, LogitFacts] = {
     "granitemoe_swa": LogitFacts(divide_attr="logits_scaling"),
     "glm4_moe": _PLAIN,  # router logits only: no load-balancing loss
     "cohere2_moe": _COHERE,  # router logits only
-    "inkling2_loop_text": LogitFacts(softcap_attr="final_logit_softcapping", float32_logits=True),  # router logits only
+    "inkling2_text": _INKLING2,  # router logits only
+    "inkling2_loop_text": _INKLING2,
 }
 TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 

@@ -104,9 +104,9 @@ def test_a_scale_is_read_where_the_forward_reads_it(model_type):
     check_equal(ref, model)
 
 
-@pytest.mark.parametrize("model_type", ["beam", "xlstm", "inkling2_loop_text"])
+@pytest.mark.parametrize("model_type", ["beam", "xlstm", "inkling2_text", "inkling2_loop_text"])
 def test_float32_logits_where_the_family_computes_them(model_type):
-    """BEAM soft-caps in float32, xLSTM and Inkling-2 Loop return float32 logits: a bf16 model's patched
+    """BEAM soft-caps in float32, xLSTM and Inkling-2 (and its Loop) return float32 logits: a bf16 model's patched
     logits were bf16, capped by a bf16 tanh (other values, other greedy tokens)."""
     from transformers import CONFIG_MAPPING, __version__
 
