@@ -113,10 +113,13 @@ def test_float32_logits_where_the_family_computes_them(model_type):
     if model_type not in CONFIG_MAPPING:
         pytest.skip(f"transformers {__version__} has no model type {model_type}")
     ref = tiny(model_type, torch.bfloat16, **{FAMILIES[model_type].softcap_attr: 2.0}).eval()  # Inkling: router in float32
-    model = apply_patch(twin(ref))
     ids = batch()[0]
     with torch.no_grad():
-        want, got = ref(ids).logits, model(ids).logits
+        try:
+            want = ref(ids).logits
+        except RuntimeError as err:  # transformers 5.23's Inkling-2 meets its float32 router with bf16 states
+            pytest.skip(f"the unpatched {model_type} does not run in bfloat16 with transformers {__version__}: {err}")
+        got = apply_patch(twin(ref))(ids).logits
     assert want.dtype == got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
