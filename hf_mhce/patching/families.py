@@ -343,10 +343,10 @@ def check_structure(model: nn.Module) -> tuple[type, nn.Module, RouterFacts | No
         router = router_facts(model, stock_forward(type(model)))
         if isinstance(router, str):
             raise unsupported(model, router)
-    # router logits without an aux_loss field (Inkling-2 Loop): passed through, no loss term to add (the
-    # verification probe shows one that the family's forward would add anyway)
-    routed = ROUTER_FIELDS if router else ("router_logits",) if "aux_loss" not in names else ()
-    extra = sorted(names - {"loss", "logits", *PASSTHROUGH_FIELDS, *routed})
+    filled = {"loss", "logits", *PASSTHROUGH_FIELDS, *(ROUTER_FIELDS if router else ())}
+    if "aux_loss" not in names:  # router logits alone (Inkling-2): passed through, no loss term to add (the
+        filled.add("router_logits")  # verification probe shows one the family's forward would add anyway)
+    extra = sorted(names - filled)
     if "logits" not in names or extra:
         raise unsupported(model, f"its output type {out_cls.__name__} has fields {extra} the generic forward cannot fill")
     return out_cls, decoder, router
