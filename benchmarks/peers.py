@@ -18,7 +18,7 @@ Variants (bf16 inputs, float32 loss):
   hf_eager          logits = x W^T in bf16, upcast, F.cross_entropy (what transformers does)
   compile_chunked   torch.compile'd chunks of 4096 tokens, each checkpointed (logits recomputed)
   liger             Liger-Kernel's fused linear cross-entropy
-  cce / cce_exact   Cut Cross-Entropy's linear_cross_entropy, default impl and "cce_exact"
+  cce / cce_exact   Cut Cross-Entropy's linear_cross_entropy, default and without its gradient filter (cce_options)
   hf_mhce_ce        hf_mhce.linear_cross_entropy
   hf_mhce_ce_lean   the same with HF_MHCE_WORKSPACE_MB=64: the backward's dW and dX passes (10NDV, least memory)
   hf_mhce_ce_fast   the same with HF_MHCE_WORKSPACE_MB=8192: gradients in the forward (6NDV, more memory)
@@ -78,6 +78,23 @@ def _chunked_ce(x, w, labels, chunk=4096):
     return total / (labels != -100).sum()
 
 
+def cce_options(name: str) -> dict:
+    """Keyword arguments of CCE's linear_cross_entropy for the row `name`.
+
+    cce_exact is CCE without its gradient filter (which skips the gradient of entries below bf16
+    resolution).  CCE after 25.1.1 (GitHub) names it impl="cce_exact", which also accumulates the
+    gradients in float32; 25.1.1, PyPI's newest, has the impls cce and torch_compile only, and there
+    the filter is turned off by filter_eps=None (impl="cce_exact" raises NotImplementedError).
+    """
+    if name == "cce":
+        return {"impl": "cce"}  # its default filter_eps
+    from cut_cross_entropy import LinearCrossEntropyImpl
+
+    if "cce_exact" in {member.name.lower() for member in LinearCrossEntropyImpl}:
+        return {"impl": "cce_exact"}
+    return {"impl": "cce", "filter_eps": None}
+
+
 def make_variant(name: str, device: torch.device):
     """A function (x, w, labels) -> scalar loss, plus whether it is forward-only."""
     import hf_mhce
@@ -97,8 +114,10 @@ def make_variant(name: str, device: torch.device):
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         except ImportError as err:
             raise Unavailable(f"liger-kernel not installed ({err})") from None
-        if device.type != "cuda":
-            raise Unavailable("Liger's kernels need CUDA tensors")
+        from hf_mhce.ops.budget import interpreting
+
+        if device.type != "cuda" and not interpreting():  # its Triton kernels run under the interpreter too
+            raise Unavailable("Liger's kernels need CUDA tensors (or TRITON_INTERPRET=1)")
         fn = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
         return (lambda x, w, y: fn(w, x, y)), False
     if name in ("cce", "cce_exact"):
@@ -106,10 +125,10 @@ def make_variant(name: str, device: torch.device):
             from cut_cross_entropy import linear_cross_entropy as cce
         except ImportError as err:
             raise Unavailable(f"cut-cross-entropy not installed ({err})") from None
-        if device.type != "cuda":
+        if device.type != "cuda":  # its kernels call libdevice, which the interpreter lacks
             raise Unavailable("Cut Cross-Entropy's kernels need CUDA tensors")
-        impl = "cce_exact" if name == "cce_exact" else "cce"
-        return (lambda x, w, y: cce(x, w, y, impl=impl)), False
+        options = cce_options(name)
+        return (lambda x, w, y: cce(x, w, y, **options)), False
     if name in ("hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast"):
         return (lambda x, w, y: hf_mhce.linear_cross_entropy(x, w, y, backend="triton")), False
     if name.startswith("hf_mhce_mhce"):
@@ -331,7 +350,12 @@ def versions() -> str:
 
 
 def markdown(rows: list[dict], device_name: str, today: str) -> str:
-    lines = [f"# Fused cross-entropy vs peers on {device_name} ({today})", "", f"Versions: {versions()}.", "",
+    try:  # which call cce_exact is depends on CCE's release
+        call = ", ".join(f"{k}={v!r}" for k, v in cce_options("cce_exact").items())
+        exact = f" cce_exact called linear_cross_entropy(x, w, labels, {call})."
+    except ImportError:
+        exact = ""
+    lines = [f"# Fused cross-entropy vs peers on {device_name} ({today})", "", f"Versions: {versions()}.{exact}", "",
              "Times in ms (median); floor = 6NDV (fwd+bwd) or 2NDV (fwd) FLOPs at the matmul rate measured in the "
              "same run; fwd = an evaluation forward (no gradients), bwd = fwd+bwd - fwd; x hf_mhce_ce: fwd+bwd, or fwd for "
              "forward-only rows; memory = peak allocated above the inputs vs dX + dW; loss / dX / dW err = relative difference from "

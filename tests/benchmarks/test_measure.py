@@ -161,3 +161,24 @@ def test_peers_table_names_the_versions():
     row = {"shape": "gpt2", "D": 8, "V": 37, "N": 9, "floor_fwd_ms": 1.0, "floor_fwd_bwd_ms": 3.0, "variant": "hf_eager"}
     table = peers.markdown([row], "GPU", "2026-01-01")
     assert f"torch {torch.__version__}" in table and "liger-kernel " in table and "cut-cross-entropy " in table, table
+
+
+def test_cce_exact_is_a_call_the_installed_cce_accepts(monkeypatch):
+    """CCE 25.1.1 (PyPI's newest) knows impl "cce" and "torch_compile" only: impl="cce_exact" raised
+    NotImplementedError there, which left the row empty on the device.  Its exact form is the cce impl
+    without the gradient filter; later releases name it impl="cce_exact".  The table says which ran."""
+    import enum
+    import types
+
+    import peers
+
+    for members, exact in ((("CCE", "TORCH_COMPILE"), {"impl": "cce", "filter_eps": None}),
+                           (("CCE", "CCE_EXACT", "CCE_KAHAN_FULL_C", "TORCH_COMPILE"), {"impl": "cce_exact"})):
+        fake = types.ModuleType("cut_cross_entropy")
+        fake.LinearCrossEntropyImpl = enum.IntEnum("LinearCrossEntropyImpl", members)
+        monkeypatch.setitem(sys.modules, "cut_cross_entropy", fake)
+        assert peers.cce_options("cce_exact") == exact
+        assert peers.cce_options("cce") == {"impl": "cce"}  # the default filter
+        row = {"shape": "gpt2", "D": 8, "V": 37, "N": 9, "floor_fwd_ms": 1.0, "floor_fwd_bwd_ms": 3.0, "variant": "cce"}
+        call = ", ".join(f"{k}={v!r}" for k, v in exact.items())
+        assert f"cce_exact called linear_cross_entropy(x, w, labels, {call})." in peers.markdown([row], "GPU", "2026-01-01")
