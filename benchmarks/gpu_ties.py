@@ -10,6 +10,12 @@ duplicates above the target).  Each target's row is copied to the next index, an
 are compared with ranks from float64 logits of the same (rounded) inputs.  Rows where some other
 entry lies within rounding of the target (a near-tie that float32 accumulation may order either
 way) are left out and counted; every other row must agree exactly.
+
+Rows "slab" (one head): the candidate forward ``slab_forward_stats`` (NOTES change 9), which reads
+the target off a cuBLAS float32 logit slab; its duplicates tie only if one GEMM rounds equal columns
+alike wherever they sit, which cuBLAS does not document (a split-K or stream-K kernel may split K
+differently per output tile).  Reported, not a failure of this check: the candidate's decision rule
+needs wrong_ranks = 0 here.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import math
 import torch
 from records import Record, add_device_options, check_device, device_label, positive_int
 
-from hf_mhce.ops import triton_forward
+from hf_mhce.ops import triton_forward, triton_forward_grad
 
 NEAR = 1e-5  # relative gap below which a non-duplicate entry is a near-tie (float32 sums of D terms)
 EQUAL = 1e-12  # relative gap below which float64 values count as the same (duplicates)
@@ -48,7 +54,7 @@ def reference(x, w, labels, heads, chunk=512):
     return torch.cat(ranks), torch.cat(ambiguous)
 
 
-def run_case(n, v, d, heads, dtype, device):
+def run_case(n, v, d, heads, dtype, device, forward="tile"):
     g = torch.Generator().manual_seed(heads)
     x = torch.randn(n, d, generator=g).to(device)
     w = (torch.randn(v, d, generator=g) / math.sqrt(d)).to(device)
@@ -56,11 +62,16 @@ def run_case(n, v, d, heads, dtype, device):
     labels[: n // 4] = (x[: n // 4] @ w.T).argmax(-1).clamp_max(v - 2)  # well-ranked targets: ranks near 0
     w[labels + 1] = w[labels]  # each target's row also at the next index
     x, w = x.to(dtype), w.to(dtype)
-    ranks = triton_forward.forward_stats(x, w, None, labels, heads, None, False, need_ranks=True).ranks
+    row = {"forward": forward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "rows": n}
+    stats_of = triton_forward.forward_stats if forward == "tile" else triton_forward_grad.slab_forward_stats
+    stats = stats_of(x, w, None, labels, heads, None, False, need_ranks=True)
+    if stats is None:  # the slabs do not apply (float32 under TF32, or no chunk fits the workspace)
+        return {**row, "note": "slab_forward_stats does not apply here"}
+    ranks = stats.ranks
     expected, ambiguous = reference(x, w, labels, heads)
     compared = ~ambiguous
     wrong = (ranks != expected) & compared
-    return {"dtype": str(dtype).replace("torch.", ""), "heads": heads, "rows": n, "near_tie_rows_left_out": int(ambiguous.sum()),
+    return {**row, "near_tie_rows_left_out": int(ambiguous.sum()),
             "rows_compared": int(compared.sum()), "wrong_ranks": int(wrong.sum()),
             "duplicates_ranked_above": int((ranks - expected)[compared].clamp_min(0).sum()),
             "median_rank": float(expected.double().median())}
@@ -80,15 +91,16 @@ def main(argv=None):
     rows = []
     for dt in dict.fromkeys(("float32", args.dtype)):  # --dtype float32: once
         for h in args.heads:
-            rows.append(run_case(n, v, d, h, getattr(torch, dt), device))
-            print(json.dumps(rows[-1]))
-    keys = list(rows[0])
+            for forward in ("tile", "slab") if h == 1 else ("tile",):
+                rows.append(run_case(n, v, d, h, getattr(torch, dt), device, forward))
+                print(json.dumps(rows[-1]))
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"# Rank ties with duplicated target rows: N={n}, V={v}, D={d} on {name}", "",
              "Target: wrong_ranks = 0 (rows with a non-duplicate near-tie are left out and counted).", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(k, "-")) for k in keys) + " |" for r in rows]
     record.write(rows, "\n".join(lines))
-    if any(r["wrong_ranks"] for r in rows):
+    if any(r["wrong_ranks"] for r in rows if r["forward"] == "tile"):
         raise SystemExit("ranks disagree with the float64 reference on rows without near-ties")
 
 

@@ -61,7 +61,7 @@ def _blocks(total: int, size: int):
 
 # CPU BLAS takes other kernels for products of a few rows or columns, where an entry rounds with its
 # position (in one full logits matmul too): every logits product has at least this many of each.
-_MIN_GEMM_SIZE = 16
+MIN_GEMM_SIZE = 16
 
 
 class _Problem:
@@ -105,20 +105,20 @@ class _Problem:
         """Logits block [H, n1 - n0, v1 - v0] in compute dtype, softcap applied (wc: ``weight_chunk(v0, v1)``),
         in the scratch buffer "y": valid until the next block's logits.
 
-        Every product has at least _MIN_GEMM_SIZE rows and columns: a smaller last block is the end of a
+        Every product has at least MIN_GEMM_SIZE rows and columns: a smaller last block is the end of a
         window of that size, a smaller whole dimension is zero-padded.  CPU BLAS takes other kernels for
         products of fewer, where an entry rounds with its position (equal weight rows gave unequal
         logits, and a rank tie fell either side); with at least 16 of each, every entry rounded as in
         one full logits matmul (float32 on MKL: random sub-products, K = 32 to 4096, bit-equal; float64
         sub-products differ from the full product at any size, so float64 ties are not exact)."""
-        a0, b0 = max(0, min(n0, n1 - _MIN_GEMM_SIZE)), max(0, min(v0, v1 - _MIN_GEMM_SIZE))
+        a0, b0 = max(0, min(n0, n1 - MIN_GEMM_SIZE)), max(0, min(v0, v1 - MIN_GEMM_SIZE))
         xc = self.hidden_chunk(a0, n1)
         wc = wc if b0 == v0 else self.weight_chunk(b0, v1)
         lr = self.low_rank_chunk(a0, n1, b0, v1)
-        if n1 - a0 < _MIN_GEMM_SIZE:
+        if n1 - a0 < MIN_GEMM_SIZE:
             xc = self._padded("x_pad", xc, 1)
             lr = (self._padded("u_pad", lr[0], 1), lr[1]) if lr is not None else None
-        if v1 - b0 < _MIN_GEMM_SIZE:
+        if v1 - b0 < MIN_GEMM_SIZE:
             wc = self._padded("w_pad", wc, 2)
             lr = (lr[0], self._padded("b_pad", lr[1][None], 2)[0]) if lr is not None else None
         y = torch.matmul(xc, wc, out=self.scratch("y", self.h, xc.shape[1], wc.shape[2]))
@@ -132,9 +132,9 @@ class _Problem:
         return y
 
     def _padded(self, name, t, dim):
-        """``t`` (3-D) with zeros after it along ``dim`` up to _MIN_GEMM_SIZE."""
+        """``t`` (3-D) with zeros after it along ``dim`` up to MIN_GEMM_SIZE."""
         shape = list(t.shape)
-        shape[dim] = _MIN_GEMM_SIZE
+        shape[dim] = MIN_GEMM_SIZE
         out = self.scratch(name, *shape).zero_()
         out.narrow(dim, 0, t.shape[dim]).copy_(t)
         return out

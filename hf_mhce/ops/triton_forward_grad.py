@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import mixture
 from .budget import grad_in_forward, workspace_bytes
-from .torch_sweep import SweepStats
+from .torch_sweep import MIN_GEMM_SIZE, SweepStats
 from .triton_backward import _aligned, _matmul_into, _zero_ignored_nonfinite, accumulation_mode
 from .triton_tile import softcap_fn
 
@@ -275,6 +275,8 @@ def _slabs_apply(x) -> bool:
 
 def _chunk_logits(z, x, w, low_rank, n0, n1, temp):
     """z [H, rows, V] (float32) = each head's logits of tokens n0:n1 before bias and softcap."""
+    if not x.is_cuda and min(n1 - n0, w.shape[0]) < MIN_GEMM_SIZE:
+        return _padded_chunk_logits(z, x, w, low_rank, n0, n1, temp)
     h = z.shape[0]
     dh = x.shape[1] // h
     for head in range(h):
@@ -282,6 +284,25 @@ def _chunk_logits(z, x, w, low_rank, n0, n1, temp):
         _logits_into(z[head], x[n0:n1, cols], w[:, cols], temp)
         if low_rank is not None:
             _matmul_into(z[head], low_rank[0][n0:n1, head], low_rank[1].T, True, temp)
+
+
+def _padded_chunk_logits(z, x, w, low_rank, n0, n1, temp):
+    """``_chunk_logits`` from products of at least MIN_GEMM_SIZE rows and columns (zero-padded): CPU BLAS
+    rounds an entry of a product of a few rows or columns with its position, which gave copies of the
+    target's weight row logits unequal to the target's (ranked above it)."""
+    rows, v = n1 - n0, w.shape[0]
+    xp = x.new_zeros(max(rows, MIN_GEMM_SIZE), x.shape[1])
+    xp[:rows] = x[n0:n1]
+    wp = w.new_zeros(max(v, MIN_GEMM_SIZE), w.shape[1])
+    wp[:v] = w
+    lp = None
+    if low_rank is not None:
+        u, b = low_rank
+        lp = (u.new_zeros(len(xp), *u.shape[1:]), b.new_zeros(len(wp), b.shape[1]))
+        lp[0][:rows], lp[1][:v] = u[n0:n1], b
+    zp = torch.empty(z.shape[0], len(xp), len(wp), dtype=torch.float32)
+    _chunk_logits(zp, xp, wp, lp, 0, len(xp), temp)
+    z.copy_(zp[:, :rows, :v])
 
 
 def _logits_into(z, x_h, w_h, temp):

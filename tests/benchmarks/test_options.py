@@ -264,7 +264,7 @@ def test_device_run_tune_steps_get_distinct_records(monkeypatch, tmp_path):
     steps = re.findall(r'python3 benchmarks/(\w+)\.py (.*?)--out "\$RECORDS"(.*)', tune)
     assert [s for s, *_ in steps] == ["gpu_suite"] * 5 + ["gpu_ties", "tile_sweep"], steps
     stubs = {"gpu_suite": ("run_case", lambda *a: {"dtype": "bfloat16", "err_loss": 0.0}),
-             "gpu_ties": ("run_case", lambda *a: {"wrong_ranks": 0}), "tile_sweep": ("run", lambda *a: [])}
+             "gpu_ties": ("run_case", lambda *a: {"forward": a[-1], "wrong_ranks": 0}), "tile_sweep": ("run", lambda *a: [])}
     for script, before, after in steps:
         module = importlib.import_module(script)
         monkeypatch.setattr(module, stubs[script][0], stubs[script][1])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_mhce.ops import torch_sweep
+from reference import requires_triton
 
 BACKENDS = ["torch", "triton"]
 
@@ -173,6 +174,40 @@ def test_torch_ties_across_blocks_of_every_shape(heads, n, v, d, chunk_mb, monke
         low = ((gap > 0) & ~near).sum(-1)
         assert ((stats.ranks >= low) & (stats.ranks <= low + near.sum(-1))).all(), seed
         assert near.sum() <= n // 4 and (gap == 0).sum() >= n // 2  # mostly exact comparisons, and duplicates
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,v,chunk_rows,copies", [(1, 63, None, 20), (2, 301, None, 10), (32, 10, None, 1),
+                                                   (45, 301, 8, 3)], ids=["N=1", "N=2", "V=10", "chunk-tail"])
+def test_slab_ties_of_every_shape(dtype, n, v, chunk_rows, copies, monkeypatch):
+    """The slab forward reads its targets off the chunk's logits, so copies of a target's weight row tie
+    with it if the product rounds equal columns alike.  CPU BLAS does not for a product of a few rows
+    or columns (a one-token chunk, V = 10, a 5-token last chunk): every product is zero-padded to 16 of
+    each (before, the one-token and V = 10 cases ranked duplicates above their targets)."""
+    from hf_mhce.ops import triton_forward_grad as fg
+
+    if chunk_rows is not None:  # 45 tokens in chunks of 8: a last chunk of 5
+        monkeypatch.setattr(fg, "MIN_ROWS", 4)
+        row_bytes = -(-v // 8) * 8 * 4
+        monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", str(chunk_rows * row_bytes * 8 / 7 / 2**20))
+        assert fg.chunk_rows(n, v, 39, 1, dtype, False, fg.workspace_bytes()) == chunk_rows
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, 39, generator=g).to(dtype)
+        w = torch.randn(v, 39, generator=g).to(dtype)
+        labels = torch.randint(0, v, (n,), generator=g)
+        for t in labels.tolist():  # copies of each target's row
+            for k in range(copies):
+                w[(t * 7 + v // 2 + 3 * k) % v] = w[t]
+        stats = fg.slab_forward_stats(x, w, None, labels, 1, None, False, need_ranks=True)
+        y = (x.double() @ w.double().T)[:, equal_rows_alike(w)]
+        gap = y - y.gather(1, labels[:, None])
+        gap[torch.arange(n), labels] = -1.0
+        near = (gap != 0) & (gap.abs() < 1e-5 * y.abs().amax())
+        low = ((gap > 0) & ~near).sum(-1)
+        assert ((stats.ranks >= low) & (stats.ranks <= low + near.sum(-1))).all(), (seed, stats.ranks, low)
+        assert (gap == 0).any(1).float().mean() >= 0.5  # most tokens have a duplicate: an exact tie
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
