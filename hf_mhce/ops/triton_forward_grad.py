@@ -287,22 +287,25 @@ def _chunk_logits(z, x, w, low_rank, n0, n1, temp):
 
 
 def _padded_chunk_logits(z, x, w, low_rank, n0, n1, temp):
-    """``_chunk_logits`` from products of at least MIN_GEMM_SIZE rows and columns (zero-padded): CPU BLAS
-    rounds an entry of a product of a few rows or columns with its position, which gave copies of the
-    target's weight row logits unequal to the target's (ranked above it)."""
+    """``_chunk_logits`` from products of at least MIN_GEMM_SIZE rows and columns (the short side
+    zero-padded): CPU BLAS rounds an entry of a product of a few rows or columns with its position,
+    which gave copies of the target's weight row logits unequal to the target's (ranked above it)."""
     rows, v = n1 - n0, w.shape[0]
-    xp = x.new_zeros(max(rows, MIN_GEMM_SIZE), x.shape[1])
-    xp[:rows] = x[n0:n1]
-    wp = w.new_zeros(max(v, MIN_GEMM_SIZE), w.shape[1])
-    wp[:v] = w
-    lp = None
-    if low_rank is not None:
-        u, b = low_rank
-        lp = (u.new_zeros(len(xp), *u.shape[1:]), b.new_zeros(len(wp), b.shape[1]))
-        lp[0][:rows], lp[1][:v] = u[n0:n1], b
-    zp = torch.empty(z.shape[0], len(xp), len(wp), dtype=torch.float32)
-    _chunk_logits(zp, xp, wp, lp, 0, len(xp), temp)
+    u, b = low_rank if low_rank is not None else (None, None)
+    x, w, b = _zero_padded(x[n0:n1], MIN_GEMM_SIZE), _zero_padded(w, MIN_GEMM_SIZE), _zero_padded(b, MIN_GEMM_SIZE)
+    u = _zero_padded(u[n0:n1], MIN_GEMM_SIZE) if u is not None else None
+    zp = torch.empty(z.shape[0], len(x), len(w), dtype=torch.float32)
+    _chunk_logits(zp, x, w, (u, b) if u is not None else None, 0, len(x), temp)
     z.copy_(zp[:, :rows, :v])
+
+
+def _zero_padded(t, size):
+    """``t`` with zero rows after it up to ``size`` rows (``t`` itself if it has as many, or is None)."""
+    if t is None or len(t) >= size:
+        return t
+    out = t.new_zeros(size, *t.shape[1:])
+    out[: len(t)] = t
+    return out
 
 
 def _logits_into(z, x_h, w_h, temp):
