@@ -144,7 +144,7 @@ def make_variant(name: str, device: torch.device):
             if stats is None:
                 raise Unavailable("a chunk of MIN_ROWS tokens does not fit HF_MHCE_WORKSPACE_MB")
             valid = labels >= 0
-            losses = mixture.token_losses(stats.lse, stats.target, None, valid, w.shape[0], 0.0, 0.0)
+            losses = mixture.token_losses(stats.lse, stats.log_p_target, None, valid, w.shape[0], 0.0, 0.0)
             return losses.sum() / valid.sum().clamp_min(1)
         return slab_forward, True
     if name in PROTOTYPES:

@@ -66,7 +66,7 @@ class Problem:
             labels = labels.to(device)
             stats = triton_forward.forward_stats(x, self.w, None, labels, heads, None, False)
             valid = labels >= 0
-            coef = mixture.grad_coefficients(stats.lse, stats.target, valid, valid.float() / valid.sum(), v, 0.0, 0.0)
+            coef = mixture.grad_coefficients(stats.lse, stats.log_p_target, valid, valid.float() / valid.sum(), v, 0.0, 0.0)
             self.sets.append((x, labels, stats.lse, coef))
         self._turn = 0
 
@@ -85,8 +85,8 @@ class Problem:
         return torch.cat([stats.lse.flatten(), stats.ranks.double()])
 
     def backward(self, first=False):
-        x, labels, lse, (alpha, beta, gamma) = self.sets[0] if first else self._next()
-        dx, dw, _ = self.bwd_mod.backward(x, self.w, None, labels, lse, alpha, beta, gamma, self.heads, None,
+        x, labels, lse, (alpha, target_grad, gamma) = self.sets[0] if first else self._next()
+        dx, dw, _ = self.bwd_mod.backward(x, self.w, None, labels, lse, alpha, target_grad, gamma, self.heads, None,
                                           (True, True, False))
         return torch.cat([dx.flatten(), dw.flatten()])
 

@@ -9,7 +9,7 @@ import functools
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..ops import mixture, torch_sweep
+from ..ops import mixture, torch_logprobs
 
 
 _functorch = getattr(torch._C, "_functorch", None)
@@ -85,18 +85,18 @@ class MultiHeadTokenLoss(torch.autograd.Function):
                 stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0,
                                           need_ranks=sink is not None, low_rank=low_rank)
             losses = mixture.token_losses(
-                stats.lse, stats.target, stats.logit_sum, valid, weight.shape[0], label_smoothing, z_loss
+                stats.lse, stats.log_p_target, stats.logit_sum, valid, weight.shape[0], label_smoothing, z_loss
             )
             if sink is not None:
-                sink(stats.ranks[valid], mixture.token_nll(stats.lse[valid], stats.target[valid]))
-        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, labels, valid, stats.lse, stats.target)
+                sink(stats.ranks[valid], mixture.token_nll(stats.log_p_target[valid]))
+        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, labels, valid, stats.lse, stats.log_p_target)
         ctx.options = (num_heads, softcap, label_smoothing, z_loss, ops)
         return losses
 
     @staticmethod
     @differentiable_once
     def backward(ctx, grad_tokens):
-        hidden, weight, bias, low_u, low_b, labels, valid, lse, target = ctx.saved_tensors
+        hidden, weight, bias, low_u, low_b, labels, valid, lse, log_p_target = ctx.saved_tensors
         num_heads, softcap, label_smoothing, z_loss, ops = ctx.options
         low_rank = _pair(low_u, low_b)
         needs = _needs(ctx, low_rank)
@@ -109,11 +109,11 @@ class MultiHeadTokenLoss(torch.autograd.Function):
         if not any(needs):
             return _all_inputs(ctx, None)
         with torch.autocast(hidden.device.type, enabled=False):
-            alpha, beta, gamma = mixture.grad_coefficients(
-                lse, target, valid, grad_tokens, weight.shape[0], label_smoothing, z_loss
+            alpha, target_grad, gamma = mixture.grad_coefficients(
+                lse, log_p_target, valid, grad_tokens, weight.shape[0], label_smoothing, z_loss
             )
             grads = ops.backward(
-                hidden, weight, bias, labels, lse, alpha.contiguous(), beta.contiguous(),
+                hidden, weight, bias, labels, lse, alpha.contiguous(), target_grad.contiguous(),
                 gamma.contiguous(), num_heads, softcap, needs, low_rank=low_rank,
             )
         return _all_inputs(ctx, grads)
@@ -150,22 +150,22 @@ class MixtureLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, low_u, low_b, num_heads, softcap):
         low_rank = _pair(low_u, low_b)
         with torch.autocast(hidden.device.type, enabled=False):
-            out, lse = torch_sweep.mixture_logprobs(hidden, weight, bias, num_heads, softcap, low_rank)
-        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, lse, out)
+            out, head_stats = torch_logprobs.mixture_logprobs(hidden, weight, bias, num_heads, softcap, low_rank)
+        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, head_stats, out)
         ctx.options = (num_heads, softcap)
         return out
 
     @staticmethod
     @differentiable_once
     def backward(ctx, grad):
-        hidden, weight, bias, low_u, low_b, lse, out = ctx.saved_tensors
+        hidden, weight, bias, low_u, low_b, head_stats, out = ctx.saved_tensors
         num_heads, softcap = ctx.options
         low_rank = _pair(low_u, low_b)
         needs = _needs(ctx, low_rank)
         if not any(needs):
             return _all_inputs(ctx, None)
         with torch.autocast(hidden.device.type, enabled=False):
-            grads = torch_sweep.mixture_logprobs_backward(
-                hidden, weight, bias, num_heads, softcap, lse, out, grad, needs, low_rank
+            grads = torch_logprobs.mixture_logprobs_backward(
+                hidden, weight, bias, num_heads, softcap, head_stats, out, grad, needs, low_rank
             )
         return _all_inputs(ctx, grads)

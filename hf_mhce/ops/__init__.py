@@ -9,7 +9,8 @@ implementations with the same signatures:
 - ``triton_forward_grad``: the Triton backend's forward that also computes the gradients of a mean or
   summed loss (statistics and gradients in one pass over the logits).
 
-``mixture`` turns the per-head statistics into losses and gradient coefficients; ``budget`` reads the
+``torch_logprobs`` gives the mixture log-probabilities log pbar [N, V] (the model's output under MHCE)
+on the torch sweeps.  ``mixture`` turns the per-head statistics into losses and gradient coefficients; ``budget`` reads the
 memory budgets (``HF_MHCE_CHUNK_MB``, ``HF_MHCE_WORKSPACE_MB``) for both, and ``HF_MHCE_GRAD_IN_FORWARD``.
 Conventions: hidden [N, D] and weight [V, D] contiguous, labels [N] int64 with -1 for ignored
 tokens, per-head statistics [N, H] in the compute dtype (float32; float64 on the torch path for

@@ -1,9 +1,16 @@
 """Per-token mixture algebra on [N, H] statistics (device agnostic, no vocabulary dimension).
 
-The vocabulary sweeps (Triton or chunked torch) reduce every token to three per-head numbers:
-``lse[n, h]`` = logsumexp_j y[n, h, j], ``target[n, h]`` = y[n, h, t_n] and, when label smoothing
-is on, ``logit_sum[n, h]`` = sum_j y[n, h, j].  Everything else -- the loss of the uniform mixture
-of the H head softmaxes and the coefficients of its gradient -- is computed here from those.
+The vocabulary sweeps (Triton or chunked torch) reduce every token to per-head numbers:
+``lse[n, h]`` = logsumexp_j y[n, h, j], ``log_p_target[n, h]`` = log p_h(t_n) = y[n, h, t_n] - lse
+and, when label smoothing is on, ``logit_sum[n, h]`` = sum_j y[n, h, j].  Everything else -- the
+loss of the uniform mixture of the H head softmaxes and the coefficients of its gradient -- is
+computed here from those.
+
+log p_h(t) comes from the sweeps as (y_t - max_j y_j) - log sum_j exp(y_j - max), not as y_t - lse:
+lse rounded to one float32 is off by up to half an ulp of |lse| (8e-6 at |lse| = 130), which is the
+whole loss of a confident token (p_t = 1 - 1e-5) and of its gradient p_t - 1.  The sweeps' target
+logit is the very value their maximum was taken over, so y_t - max is exact where it matters, and
+the loss and the target's gradient (``target_grad`` below) are as accurate as eager float32's.
 
 Per-token loss of a valid token (eps = label smoothing, zl = z-loss weight):
 
@@ -17,6 +24,10 @@ with p = softmax(y_h), responsibilities rho_h = p_ht / sum_h' p_h't and, for inc
 
     alpha = g * ((1 - eps) * rho + eps/H + 2 * zl * lse / H),  beta = g * (1 - eps) * rho,
     gamma = g * eps / (H * V).
+
+The sweeps take the target column's value before gamma, ``target_grad`` = alpha * p_t - beta =
+alpha * expm1(log p_t) + (alpha - beta), from here rather than forming p_t from their recomputed
+logits and lse (1 - p_t would cancel to the rounding of lse; see above).
 
 A -inf logit (a bias masking part of the vocabulary) gives torch's values: the sweeps add 0 for it,
 a masked target's loss is inf, and so is every loss with smoothing (mean_j y_hj = -inf), gradients
@@ -32,7 +43,7 @@ import torch
 
 def token_losses(
     lse: torch.Tensor,
-    target: torch.Tensor,
+    log_p_target: torch.Tensor,
     logit_sum: torch.Tensor | None,
     valid: torch.Tensor,
     vocab_size: int,
@@ -40,9 +51,7 @@ def token_losses(
     z_loss: float,
 ) -> torch.Tensor:
     """Per-token loss [N] (0 for invalid tokens) from per-head statistics [N, H]."""
-    num_heads = lse.shape[1]
-    log_p_target = target - lse  # log p_h(t), [N, H]
-    nll = math.log(num_heads) - torch.logsumexp(log_p_target, dim=1)
+    nll = token_nll(log_p_target)
     loss = (1.0 - label_smoothing) * nll if label_smoothing else nll
     if label_smoothing:
         smooth = (lse - logit_sum / vocab_size).mean(dim=1)
@@ -53,21 +62,21 @@ def token_losses(
     return torch.where(valid, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 
-def token_nll(lse: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """-log pbar_t per token [N] (no smoothing, no z-loss)."""
-    return math.log(lse.shape[1]) - torch.logsumexp(target - lse, dim=1)
+def token_nll(log_p_target: torch.Tensor) -> torch.Tensor:
+    """-log pbar_t per token [N] (no smoothing, no z-loss) from log p_h(t) [N, H]."""
+    return math.log(log_p_target.shape[1]) - torch.logsumexp(log_p_target, dim=1)
 
 
 def grad_coefficients(
     lse: torch.Tensor,
-    target: torch.Tensor,
+    log_p_target: torch.Tensor,
     valid: torch.Tensor,
     grad_tokens: torch.Tensor,
     vocab_size: int,
     label_smoothing: float,
     z_loss: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(alpha [N, H], beta [N, H], gamma [N]) with the incoming per-token gradient folded in.
+    """(alpha [N, H], target_grad [N, H], gamma [N]) with the incoming per-token gradient folded in.
 
     All three are exactly zero for invalid tokens, so that the sweeps skip nothing and still give them
     a zero logits gradient (the sweeps additionally mask their NaN logits).  Their hidden rows still
@@ -75,7 +84,6 @@ def grad_coefficients(
     """
     num_heads = lse.shape[1]
     g = torch.where(valid, grad_tokens.to(lse.dtype), torch.zeros((), dtype=lse.dtype, device=lse.device))
-    log_p_target = target - lse
     # A target masked in every head (a -inf bias) has an infinite loss, as torch's, and 0/0
     # responsibilities: equal shares then, which for one head is torch's gradient (p - onehot).
     masked = torch.isneginf(log_p_target).all(dim=1, keepdim=True)
@@ -89,5 +97,7 @@ def grad_coefficients(
     # A NaN lse of an invalid token must not leak through rho.
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
     alpha = torch.where(valid[:, None], alpha, zero)
-    beta = torch.where(valid[:, None], beta, zero)
-    return alpha, beta, gamma
+    # alpha * p_t - beta with 1 - p_t from log p_t (expm1), not from 1 minus a rounded p_t
+    target_grad = alpha * torch.expm1(log_p_target) + (alpha - beta)
+    target_grad = torch.where(valid[:, None], target_grad, zero)
+    return alpha, target_grad, gamma

@@ -141,10 +141,13 @@ class _Problem:
 
 
 class SweepStats(NamedTuple):
-    """Per-token statistics of a forward sweep; [N, H] in compute dtype, ranks [N] int64."""
+    """Per-token statistics of a forward sweep; [N, H] in compute dtype, ranks [N] int64.
+
+    ``log_p_target`` = (target - max) - log sum exp(y - max), not target - lse: see ``mixture``."""
 
     lse: torch.Tensor
     target: torch.Tensor
+    log_p_target: torch.Tensor
     logit_sum: torch.Tensor | None
     ranks: torch.Tensor | None
 
@@ -162,9 +165,10 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     below it.
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
-    lse, target, logit_sum = _lse_sweep(pb, need_logit_sum, labels)
+    top, log_sum, target, logit_sum = _lse_sweep(pb, need_logit_sum, labels)
+    lse = top + log_sum
     ranks = _rank_sweep(pb, lse, target, labels) if need_ranks else None
-    return SweepStats(lse, target, logit_sum, ranks)
+    return SweepStats(lse, target, (target - top) - log_sum, logit_sum, ranks)
 
 
 def _columns_in(labels, v0, v1):
@@ -183,7 +187,8 @@ def _count_above(pb, values, reference, labels, v0):
 
 
 def _lse_sweep(pb: _Problem, need_logit_sum: bool, labels=None):
-    """[N, H] logsumexp, target logits (given ``labels``; read off the blocks) and optional logit sums."""
+    """[N, H] maxima m and log sum exp(y - m) (their sum is the logsumexp, kept apart for accuracy: see
+    ``mixture``), target logits (given ``labels``; read off the blocks) and optional logit sums."""
     shape = (pb.h, pb.n)
     dev = pb.x.device
     m = torch.full(shape, -math.inf, dtype=pb.cdt, device=dev)
@@ -204,8 +209,7 @@ def _lse_sweep(pb: _Problem, need_logit_sum: bool, labels=None):
             base = _finite_base(m_new)
             s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - base) + y.sub_(base[..., None]).exp_().sum(-1)
             m[:, n0:n1] = m_new
-    lse = (m + torch.log(s)).T.contiguous()
-    return lse, target, (ysum.T.contiguous() if ysum is not None else None)
+    return m.T.contiguous(), s.log_().T.contiguous(), target, (ysum.T.contiguous() if ysum is not None else None)
 
 
 def _finite_base(m):
@@ -296,17 +300,18 @@ class _Grads:
                 self.dlb.to(pb.b.dtype) if self.need_dlb else None)
 
 
-def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs, low_rank=None):
+def backward(x, w, bias, labels, lse, alpha, target_grad, gamma, num_heads, softcap, needs, low_rank=None):
     """Gradients (dX, dW, dB[, dU, dB_low]) of sum_n loss_n given ``mixture.grad_coefficients``.
 
-    dy[n, h, j] = alpha[n, h] * p[n, h, j] - beta[n, h] * [j == t_n] - gamma[n]; ``needs`` says
+    dy[n, h, j] = alpha[n, h] * p[n, h, j] - gamma[n] for j != t_n, target_grad[n, h] - gamma[n] at
+    j = t_n (p_t from the forward's log p_t, as ``mixture`` explains); ``needs`` says
     which gradients to produce (None in place of the others): three flags, five with ``low_rank``
     (its U and B last).  labels: -1 marks ignored tokens.
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     valid = labels >= 0
     grads = _Grads(pb, needs)
-    lse_t, alpha_t, beta_t = lse.T, alpha.T, beta.T  # [H, N]
+    lse_t, alpha_t, target_grad_t = lse.T, alpha.T, target_grad.T  # [H, N]
     any_invalid = not bool(valid.all())
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)  # [H, Dh, cols]
@@ -323,7 +328,7 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
             dz -= gamma[None, n0:n1, None]
             hit, cols = _columns_in(labels[n0:n1], v0, v1)  # tokens whose target is in this chunk
             if hit.numel():
-                dz[:, hit, cols] -= beta_t[:, n0:n1][:, hit]
+                dz[:, hit, cols] = target_grad_t[:, n0:n1][:, hit] - gamma[n0:n1][hit]
             if softcap is not None:  # d(c tanh(z / c)) / dz = 1 - (y / c)^2
                 dz *= y.div_(softcap).square_().neg_().add_(1.0)
             if any_invalid:  # ignored tokens (padding) contribute nothing, even with a NaN/inf hidden row,
@@ -334,72 +339,6 @@ def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, ne
                     xc = xc.masked_fill(ignored, 0.0)
                 if grads.need_dlb:
                     lr = (lr[0].masked_fill(ignored, 0.0), lr[1])
-            grads.add(dz, xc, wc, lr, n0, n1)
-        grads.end_chunk()
-    return grads.result()
-
-
-def mixture_logprobs(x, w, bias, num_heads, softcap, low_rank=None):
-    """log pbar [N, V] in compute dtype: two sweeps (per-head lse, then the mixture per block)."""
-    pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
-    lse, _, _ = _lse_sweep(pb, need_logit_sum=False)
-    out = torch.empty(pb.n, pb.v, dtype=pb.cdt, device=x.device)
-    lse_t = lse.T
-    log_h = math.log(num_heads)
-    for v0, v1 in _blocks(pb.v, pb.cols):
-        wc = pb.weight_chunk(v0, v1)
-        for n0, n1 in _blocks(pb.n, pb.rows):
-            y = pb.logits(n0, n1, v0, v1, wc)
-            logp = y.sub_(lse_t[:, n0:n1, None])
-            out[n0:n1, v0:v1] = logp[0] if num_heads == 1 else _logsumexp_heads(logp, pb).sub_(log_h)
-    return out, lse
-
-
-def mixture_logprobs_backward(x, w, bias, num_heads, softcap, lse, logpbar, grad, needs, low_rank=None):
-    """Gradients of sum(grad * log pbar); ``needs`` and the returned tuple as in ``backward``.
-
-    d log pbar_k / d y_hj = r_hk ([k = j] - p_hj) with r_hk = p_hk / (H pbar_k), hence
-    dy_hj = grad_j r_hj - p_hj S_h where S_h = sum_k grad_k r_hk (one extra sweep, H > 1 only).
-    An entry masked in every head (-inf logits, pbar_k = 0) makes r_hk 0/0; it takes equal shares
-    r_hk = 1 / H there, which for one head is torch's log_softmax gradient (dy_k = grad_k).
-    """
-    pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
-    grad = grad.to(pb.cdt)
-    lse_t = lse.T
-    log_h = math.log(num_heads)
-    # One check up front (unmasked vocabularies pay nothing), by row minima: no [N, V] temporary, and a
-    # NaN row (amin propagates it) hides only its own -inf entries, whose gradient is NaN anyway.
-    masked = bool((logpbar.amin(dim=1) == -math.inf).any())
-
-    def block_terms(wc, v0, v1, n0, n1):
-        """(hidden chunk, low-rank chunk, y, log p, grad * r) of one block."""
-        xc, lr = pb.hidden_chunk(n0, n1), pb.low_rank_chunk(n0, n1, v0, v1)
-        y = pb.logits(n0, n1, v0, v1, wc)
-        logp = torch.sub(y, lse_t[:, n0:n1, None], out=pb.scratch("logp", *y.shape))
-        lpbar = logpbar[None, n0:n1, v0:v1]
-        gr = torch.sub(logp, log_h, out=pb.scratch("gr", *y.shape)).sub_(lpbar).exp_()
-        if masked:  # exp(-inf - -inf) is NaN at entries masked in every head: equal shares
-            gr.masked_fill_(torch.isneginf(lpbar), 1.0 / num_heads)
-        return xc, lr, y, logp, gr.mul_(grad[None, n0:n1, v0:v1])
-
-    s = torch.zeros(pb.h, pb.n, dtype=pb.cdt, device=x.device)
-    if num_heads == 1:
-        s[0] = grad.sum(-1)
-    else:
-        for v0, v1 in _blocks(pb.v, pb.cols):
-            wc = pb.weight_chunk(v0, v1)
-            for n0, n1 in _blocks(pb.n, pb.rows):
-                s[:, n0:n1] += block_terms(wc, v0, v1, n0, n1)[-1].sum(-1)
-
-    grads = _Grads(pb, needs)
-    for v0, v1 in _blocks(pb.v, pb.cols):
-        wc = pb.weight_chunk(v0, v1)
-        grads.start_chunk(v0, v1)
-        for n0, n1 in _blocks(pb.n, pb.rows):
-            xc, lr, y, logp, gr = block_terms(wc, v0, v1, n0, n1)
-            dz = gr.sub_(logp.exp_().mul_(s[:, n0:n1, None]))
-            if softcap is not None:
-                dz *= y.div_(softcap).square_().neg_().add_(1.0)
             grads.add(dz, xc, wc, lr, n0, n1)
         grads.end_chunk()
     return grads.result()

@@ -1,7 +1,7 @@
 """Triton backward: slabs of the logits' gradient dY written by a kernel, reduced by matmuls.
 
 The kernel recomputes a [tokens x vocabulary] range of each head's logits tile by tile (the forward's
-``logits_tile``), forms dY = alpha * softmax - beta * onehot(target) - gamma (see
+``logits_tile``), forms dY = alpha * softmax - gamma, target_grad - gamma at the target (see
 ``mixture.grad_coefficients``) times the softcap derivative, and stores it in the input dtype (the
 rounding autograd gives dlogits in a 16-bit model) into a slab [H, tokens, columns].  dX = dY W and
 dW = dY^T X are then torch matmuls on the slab (cuBLAS on a GPU, float32 accumulation inside):
@@ -36,7 +36,7 @@ from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args
 
 @triton.jit
 def _dlogits_kernel(
-    X, W, B, U, LB, Labels, Lse, Alpha, Beta, Gamma, DY, DB,
+    X, W, B, U, LB, Labels, Lse, Alpha, TargetGrad, Gamma, DY, DB,
     n_start, n_end, v_start, v_end, Dh, R, stride_x, stride_w, stride_u, stride_lb, stride_dy_head, stride_dy,
     softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
@@ -71,10 +71,11 @@ def _dlogits_kernel(
         stat = rows * NUM_HEADS + head
         lse = tl.load(Lse + stat, mask=row_valid, other=0.0)
         alpha = tl.load(Alpha + stat, mask=row_valid, other=0.0)
-        beta = tl.load(Beta + stat, mask=row_valid, other=0.0)
+        target_grad = tl.load(TargetGrad + stat, mask=row_valid, other=0.0)
         gamma = tl.load(Gamma + rows, mask=row_valid, other=0.0)
-        dy = alpha[:, None] * tl.exp(y - lse[:, None]) - gamma[:, None]
-        dy -= tl.where(cols[None, :] == labels[:, None], beta[:, None], 0.0)
+        # the target's entry from the forward's log p_t (mixture.py): 1 - p_t from y_t - lse cancels
+        dy = tl.where(cols[None, :] == labels[:, None], target_grad[:, None], alpha[:, None] * tl.exp(y - lse[:, None]))
+        dy -= gamma[:, None]
         if HAS_SOFTCAP:
             dy *= 1.0 - (y / softcap) * (y / softcap)
         # Ignored rows (padding) contribute nothing, even with NaN logits (their hidden rows are zeroed
@@ -86,14 +87,14 @@ def _dlogits_kernel(
     tl.store(out, dy.to(DY.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def backward(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, needs, low_rank=None):
+def backward(x, w, bias, labels, lse, alpha, target_grad, gamma, num_heads, softcap, needs, low_rank=None):
     """Triton counterpart of ``torch_sweep.backward`` (labels: -1 marks ignored tokens)."""
     n, d = x.shape
     v = w.shape[0]
     need_dx, need_dw, need_db = needs[:3]
     need_du, need_dlb = needs[3:] if low_rank is not None else (False, False)
     f32 = {"dtype": torch.float32, "device": x.device}
-    slabs = _Slabs(x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, low_rank,
+    slabs = _Slabs(x, w, bias, labels, lse, alpha, target_grad, gamma, num_heads, softcap, low_rank,
                    db=torch.zeros(v, **f32) if need_db else None,
                    du=torch.zeros(low_rank[0].shape, **f32) if need_du else None,
                    dlb=torch.zeros(low_rank[1].shape, **f32) if need_dlb else None, sanitize=need_dw or need_dlb)
@@ -192,7 +193,7 @@ def _reduction_pass(slabs, out, rows_axis, budget, side, dx_acc=None):
 class _Slabs:
     """Computes dY slabs [H, tokens, columns] (one buffer, reused) and their matmuls into the gradients."""
 
-    def __init__(self, x, w, bias, labels, lse, alpha, beta, gamma, num_heads, softcap, low_rank, db, du, dlb,
+    def __init__(self, x, w, bias, labels, lse, alpha, target_grad, gamma, num_heads, softcap, low_rank, db, du, dlb,
                  sanitize):
         self.x, self.w, self.bias, self.low_rank = x, w, bias, low_rank
         self.n, self.d = x.shape
@@ -201,7 +202,7 @@ class _Slabs:
         self.entry_bytes = num_heads * x.element_size()  # one (token, column) entry of a slab, all heads
         self.db, self.du, self.dlb = db, du, dlb
         u, lb, self.rank, self.stride_u, self.stride_lb = low_rank_args(low_rank, lse)
-        self.args = (x, w, bias if bias is not None else lse, u, lb, labels, lse, alpha, beta, gamma)
+        self.args = (x, w, bias if bias is not None else lse, u, lb, labels, lse, alpha, target_grad, gamma)
         self.softcap = softcap
         self.buffer = None
         # Matmul temporaries: none where every product is written or added in place (float32 inputs; one

@@ -6,8 +6,9 @@ without the sweep kernel carrying that tile's registers.
 
 Grid: (token blocks, vocabulary splits, heads).  Each program streams one split of the vocabulary
 for BLOCK_N tokens of one head, the statistics in registers.  Splits exist for occupancy: 4096
-tokens are only 64 token blocks, half an H100's 132 SMs; each split writes its partial logsumexp,
-logit sum and rank count, combined afterwards in float32 (logsumexp / sum over splits, O(S * N * H)).
+tokens are only 64 token blocks, half an H100's 132 SMs; each split writes its partial maximum and
+log-sum (kept apart: see mixture.py), logit sum and rank count, combined afterwards in float32
+(``combine_splits`` / sums over splits, O(S * N * H)).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _target_kernel(
 
 @triton.jit
 def _forward_kernel(
-    X, W, B, U, LB, Labels, Lse, Target, LogitSum, Ranks,
+    X, W, B, U, LB, Labels, Top, LogSum, Target, LogitSum, Ranks,
     N, V, V_PER_SPLIT, Dh, R, stride_x, stride_w, stride_u, stride_lb, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
     NEED_SUM: tl.constexpr, NEED_RANKS: tl.constexpr,
@@ -84,7 +85,8 @@ def _forward_kernel(
 
     out = rows * NUM_HEADS + head
     partial = split * N * NUM_HEADS + out  # [splits, N, H] partials
-    tl.store(Lse + partial, m + tl.log(s), mask=row_mask)
+    tl.store(Top + partial, m, mask=row_mask)  # apart, not as m + log(s): see mixture.py
+    tl.store(LogSum + partial, tl.log(s), mask=row_mask)
     if NEED_SUM:
         tl.store(LogitSum + partial, y_sum, mask=row_mask)
     if NEED_RANKS:
@@ -115,9 +117,10 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     per_split = triton.cdiv(v_blocks, splits) * cfg["BLOCK_V"]
     splits = triton.cdiv(v, per_split)  # no empty split: each holds at least one column
     f32 = {"dtype": torch.float32, "device": x.device}
-    lse = torch.empty(splits, n, num_heads, **f32)
+    top = torch.empty(splits, n, num_heads, **f32)
+    log_sum = torch.empty(splits, n, num_heads, **f32)
     target = torch.empty(n, num_heads, **f32)
-    logit_sum = torch.empty(splits, n, num_heads, **f32) if need_logit_sum else lse  # dummy when unused
+    logit_sum = torch.empty(splits, n, num_heads, **f32) if need_logit_sum else top  # dummy when unused
     same_pass_ranks = need_ranks and num_heads == 1
     ranks = torch.empty(splits, n, dtype=torch.int64, device=x.device) if same_pass_ranks else labels
     u, lb, rank, stride_u, stride_lb = low_rank_args(low_rank, x)
@@ -129,14 +132,24 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
         float(softcap) if softcap is not None else 1.0, **flags,
     )
     _forward_kernel[(n_blocks, splits, num_heads)](
-        x, w, bias if bias is not None else x, u, lb, labels, lse, target, logit_sum, ranks,
+        x, w, bias if bias is not None else x, u, lb, labels, top, log_sum, target, logit_sum, ranks,
         n, v, per_split, dh, rank, x.stride(0), w.stride(0), stride_u, stride_lb,
         float(softcap) if softcap is not None else 1.0, NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **flags,
     )
-    lse = lse[0] if splits == 1 else torch.logsumexp(lse, dim=0)  # a wholly masked split's -inf adds 0
+    top, log_sum = combine_splits(top, log_sum)
+    lse = top + log_sum
     logit_sum = (logit_sum[0] if splits == 1 else logit_sum.sum(0)) if need_logit_sum else None
     if same_pass_ranks:
         ranks = ranks[0] if splits == 1 else ranks.sum(0)
     elif need_ranks:
         ranks = mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap, low_rank)
-    return SweepStats(lse, target, logit_sum, ranks if need_ranks else None)
+    return SweepStats(lse, target, (target - top) - log_sum, logit_sum, ranks if need_ranks else None)
+
+
+def combine_splits(top, log_sum):
+    """(max, log sum exp(y - max)) [N, H] over the whole vocabulary from those of its splits [S, N, H]."""
+    if top.shape[0] == 1:
+        return top[0], log_sum[0]
+    whole = top.amax(dim=0)
+    base = torch.where(whole == float("-inf"), 0.0, whole)  # every split masked: their -inf add 0, not NaN
+    return whole, torch.logsumexp(top - base + log_sum, dim=0)
