@@ -80,6 +80,9 @@ case "$STAGE" in
     step gpu_ties python3 benchmarks/gpu_ties.py --out "$RECORDS"
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
     step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 200 --out "$RECORDS"
+    # 3. confident tokens (log p_t from the sweep's own maximum) on the GPU's kernels, if the image has pytest
+    step confident_tokens env HF_MHCE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+      tests/losses/test_confident_tokens.py
     ;;
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

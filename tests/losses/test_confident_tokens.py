@@ -14,6 +14,7 @@ eager's rounding happens to be lucky) plus half an ulp of the largest logit (the
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 import hf_mhce
 from reference import HAVE_TRITON
 
+# HF_MHCE_TEST_DEVICE=cuda runs the fused ops on a GPU (benchmarks/device_run.sh tune); references stay on the CPU
+DEVICE = torch.device(os.environ.get("HF_MHCE_TEST_DEVICE", "cpu"))
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAVE_TRITON, reason="no triton"))]
 F64 = torch.float64
 # FLOOR_ABS: one float32 ulp of 1, the resolution of p_t ~ 1 and of a softmax denominator s ~ 1, which eager
@@ -59,6 +62,11 @@ def _confident(n, d, v, heads, bias, seed):
         ws.append((z[:, h, :] - b).T @ q.T / 8 + 2 * (rnd - rnd @ q @ q.T))
     x, w = torch.cat(xs, 1), torch.cat(ws, 1)
     return x.float(), w.float(), (b.float() if bias else None), labels
+
+
+def _on(*tensors):
+    """``tensors`` on DEVICE (differentiable copies; None stays None)."""
+    return [t.to(DEVICE) if t is not None else None for t in tensors]
 
 
 def _logits(x, w, b, heads):
@@ -140,7 +148,8 @@ def test_token_loss(backend, heads, n, d, v, bias, seed):
     x, w, b, labels = _confident(n, d, v, heads, bias, seed)
     ref = _loss(_logits(x.double(), w.double(), b.double() if b is not None else None, heads), labels)
     _assert_confident(ref)
-    ours = hf_mhce.multi_head_cross_entropy(x, w, labels, heads, bias=b, reduction="none", backend=backend)
+    ours = hf_mhce.multi_head_cross_entropy(*_on(x, w), _on(labels)[0], heads, bias=_on(b)[0], reduction="none",
+                                            backend=backend).cpu()
     eager = _loss(_logits(x, w, b, heads), labels)
     bad = _check(f"loss {backend} H={heads} N={n}", ours, eager, ref, _ymax(x, w, b, heads))
     assert not bad, bad
@@ -166,7 +175,8 @@ def test_grads_of_summed_loss(backend, in_forward, heads, n, d, v, bias, seed, l
     _, ref = _grads(eager, (x, w, b), F64)
     _, eag = _grads(eager, (x, w, b), torch.float32)
     _, ours = _grads(lambda x, w, b: hf_mhce.multi_head_cross_entropy(
-        x, w, labels, heads, bias=b, reduction="sum", backend=backend, **kw), (x, w, b), torch.float32)
+        *_on(x, w), _on(labels)[0], heads, bias=_on(b)[0], reduction="sum", backend=backend, **kw).cpu(),
+        (x, w, b), torch.float32)
     floors, ymax = _grad_floors(x, w, b, heads, labels, torch.ones(n, dtype=F64)), _ymax(x, w, b, heads)
     bad = [m for name, o, e, r, f in zip(["dX", "dW", "db"], ours, eag, ref, floors) if r is not None
            for m in _check(f"{name} {backend} H={heads} N={n} ls={ls} zl={zl}", o, e, r, ymax, f)]
@@ -187,7 +197,7 @@ def test_logprobs_top_entry(heads, n, d, v, bias, seed, upstream):
     eager = lambda x, w, b: _mix(_logits(x, w, b, heads))  # noqa: E731
     out_ref, ref = _grads(eager, (x, w, b), F64, grad_out)
     out_e, eag = _grads(eager, (x, w, b), torch.float32, grad_out)
-    fused = lambda x, w, b: hf_mhce.multi_head_logprobs(x, w, heads, bias=b)  # noqa: E731
+    fused = lambda x, w, b: hf_mhce.multi_head_logprobs(*_on(x, w), heads, bias=_on(b)[0]).cpu()  # noqa: E731
     out, ours = _grads(fused, (x, w, b), torch.float32, grad_out)
     top = lambda t: t.gather(1, labels[:, None])[:, 0]  # noqa: E731
     _assert_confident(-top(out_ref))
