@@ -114,7 +114,7 @@ def drive(dtype, heads, bias, softcap, low_rank, ranks, n=1024, d=512, v=2048):
     triton_forward.forward_stats(x, w, b, labels, heads, softcap, True, need_ranks=ranks, low_rank=lr)
     stat = torch.zeros(n, heads)
     needs = (True, True, bias, True, True) if low_rank else (True, True, bias)
-    triton_backward.backward(x, w, b, labels, stat, stat, stat, stat, heads, softcap, needs, low_rank=lr)
+    triton_backward.backward(x, w, b, labels, stat, stat, stat, stat, stat, heads, softcap, needs, low_rank=lr)
     grads = triton_forward_grad.forward_with_grads(x, w, b, labels, labels >= 0, heads, softcap, 0.1, 0.0,
                                                    torch.ones(()), needs, low_rank=lr)  # one chunk fits
     assert (grads is None) == (dtype == torch.float16), "gradients in the forward: launched unless fp16"

@@ -67,7 +67,7 @@ class Problem:
             stats = triton_forward.forward_stats(x, self.w, None, labels, heads, None, False)
             valid = labels >= 0
             coef = mixture.grad_coefficients(stats.lse, stats.log_p_target, valid, valid.float() / valid.sum(), v, 0.0, 0.0)
-            self.sets.append((x, labels, stats.lse, coef))
+            self.sets.append((x, labels, (stats.top, stats.log_sum), coef))
         self._turn = 0
 
     def _next(self):
@@ -76,18 +76,18 @@ class Problem:
 
     def forward(self, first=False):
         x, labels, _, _ = self.sets[0] if first else self._next()
-        return self.fwd_mod.forward_stats(x, self.w, None, labels, self.heads, None, False).lse
+        return self.fwd_mod.forward_stats(x, self.w, None, labels, self.heads, None, False).log_p_target
 
     def forward_ranks(self, first=False):
         """The evaluation forward: target ranks counted in the same sweep (H = 1) or a second one."""
         x, labels, _, _ = self.sets[0] if first else self._next()
         stats = self.fwd_mod.forward_stats(x, self.w, None, labels, self.heads, None, False, need_ranks=True)
-        return torch.cat([stats.lse.flatten(), stats.ranks.double()])
+        return torch.cat([stats.log_p_target.flatten(), stats.ranks.double()])
 
     def backward(self, first=False):
-        x, labels, lse, (alpha, target_grad, gamma) = self.sets[0] if first else self._next()
-        dx, dw, _ = self.bwd_mod.backward(x, self.w, None, labels, lse, alpha, target_grad, gamma, self.heads, None,
-                                          (True, True, False))
+        x, labels, (top, log_sum), (alpha, target_grad, gamma) = self.sets[0] if first else self._next()
+        dx, dw, _ = self.bwd_mod.backward(x, self.w, None, labels, top, log_sum, alpha, target_grad, gamma, self.heads,
+                                          None, (True, True, False))
         return torch.cat([dx.flatten(), dw.flatten()])
 
 

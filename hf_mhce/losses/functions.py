@@ -89,14 +89,15 @@ class MultiHeadTokenLoss(torch.autograd.Function):
             )
             if sink is not None:
                 sink(stats.ranks[valid], mixture.token_nll(stats.log_p_target[valid]))
-        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, labels, valid, stats.lse, stats.log_p_target)
+        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, labels, valid, stats.top, stats.log_sum,
+                              stats.log_p_target)
         ctx.options = (num_heads, softcap, label_smoothing, z_loss, ops)
         return losses
 
     @staticmethod
     @differentiable_once
     def backward(ctx, grad_tokens):
-        hidden, weight, bias, low_u, low_b, labels, valid, lse, log_p_target = ctx.saved_tensors
+        hidden, weight, bias, low_u, low_b, labels, valid, top, log_sum, log_p_target = ctx.saved_tensors
         num_heads, softcap, label_smoothing, z_loss, ops = ctx.options
         low_rank = _pair(low_u, low_b)
         needs = _needs(ctx, low_rank)
@@ -110,10 +111,10 @@ class MultiHeadTokenLoss(torch.autograd.Function):
             return _all_inputs(ctx, None)
         with torch.autocast(hidden.device.type, enabled=False):
             alpha, target_grad, gamma = mixture.grad_coefficients(
-                lse, log_p_target, valid, grad_tokens, weight.shape[0], label_smoothing, z_loss
+                top + log_sum, log_p_target, valid, grad_tokens, weight.shape[0], label_smoothing, z_loss
             )
             grads = ops.backward(
-                hidden, weight, bias, labels, lse, alpha.contiguous(), target_grad.contiguous(),
+                hidden, weight, bias, labels, top, log_sum, alpha.contiguous(), target_grad.contiguous(),
                 gamma.contiguous(), num_heads, softcap, needs, low_rank=low_rank,
             )
         return _all_inputs(ctx, grads)

@@ -10,7 +10,9 @@ log p_h(t) comes from the sweeps as (y_t - max_j y_j) - log sum_j exp(y_j - max)
 lse rounded to one float32 is off by up to half an ulp of |lse| (8e-6 at |lse| = 130), which is the
 whole loss of a confident token (p_t = 1 - 1e-5) and of its gradient p_t - 1.  The sweeps' target
 logit is the very value their maximum was taken over, so y_t - max is exact where it matters, and
-the loss and the target's gradient (``target_grad`` below) are as accurate as eager float32's.
+the loss and the target's gradient (``target_grad`` below) are as accurate as eager float32's.  The
+backward sweeps likewise form p = exp((y - max) - log sum), not exp(y - lse), which would scale every
+p by one common error of that size (it did not cancel where sum_j p_j x_j nearly does).
 
 Per-token loss of a valid token (eps = label smoothing, zl = z-loss weight):
 

@@ -143,13 +143,21 @@ class _Problem:
 class SweepStats(NamedTuple):
     """Per-token statistics of a forward sweep; [N, H] in compute dtype, ranks [N] int64.
 
-    ``log_p_target`` = (target - max) - log sum exp(y - max), not target - lse: see ``mixture``."""
+    The logsumexp is kept as its two parts, ``top`` = max_j y_j and ``log_sum`` = log sum_j exp(y_j - top),
+    and ``log_p_target`` = (target - top) - log_sum: one rounded float32 lse would put half an ulp of |lse|
+    into every log-probability (see ``mixture``)."""
 
-    lse: torch.Tensor
+    top: torch.Tensor
+    log_sum: torch.Tensor
     target: torch.Tensor
     log_p_target: torch.Tensor
     logit_sum: torch.Tensor | None
     ranks: torch.Tensor | None
+
+    @property
+    def lse(self) -> torch.Tensor:
+        """logsumexp_j y_j [N, H], rounded once (the z-loss, smoothing and mixture-rank terms)."""
+        return self.top + self.log_sum
 
 
 def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False, low_rank=None):
@@ -166,9 +174,8 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     top, log_sum, target, logit_sum = _lse_sweep(pb, need_logit_sum, labels)
-    lse = top + log_sum
-    ranks = _rank_sweep(pb, lse, target, labels) if need_ranks else None
-    return SweepStats(lse, target, (target - top) - log_sum, logit_sum, ranks)
+    ranks = _rank_sweep(pb, top + log_sum, target, labels) if need_ranks else None
+    return SweepStats(top, log_sum, target, (target - top) - log_sum, logit_sum, ranks)
 
 
 def _columns_in(labels, v0, v1):
@@ -300,18 +307,20 @@ class _Grads:
                 self.dlb.to(pb.b.dtype) if self.need_dlb else None)
 
 
-def backward(x, w, bias, labels, lse, alpha, target_grad, gamma, num_heads, softcap, needs, low_rank=None):
-    """Gradients (dX, dW, dB[, dU, dB_low]) of sum_n loss_n given ``mixture.grad_coefficients``.
+def backward(x, w, bias, labels, top, log_sum, alpha, target_grad, gamma, num_heads, softcap, needs, low_rank=None):
+    """Gradients (dX, dW, dB[, dU, dB_low]) of sum_n loss_n given ``mixture.grad_coefficients`` and the
+    forward's ``SweepStats.top`` and ``log_sum``.
 
     dy[n, h, j] = alpha[n, h] * p[n, h, j] - gamma[n] for j != t_n, target_grad[n, h] - gamma[n] at
-    j = t_n (p_t from the forward's log p_t, as ``mixture`` explains); ``needs`` says
+    j = t_n (p_t from the forward's log p_t, as ``mixture`` explains), with p = exp((y - top) - log_sum),
+    not exp(y - lse): a rounded lse would scale every p by one common error; ``needs`` says
     which gradients to produce (None in place of the others): three flags, five with ``low_rank``
     (its U and B last).  labels: -1 marks ignored tokens.
     """
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     valid = labels >= 0
     grads = _Grads(pb, needs)
-    lse_t, alpha_t, target_grad_t = lse.T, alpha.T, target_grad.T  # [H, N]
+    top_t, log_sum_t, alpha_t, target_grad_t = top.T, log_sum.T, alpha.T, target_grad.T  # [H, N]
     any_invalid = not bool(valid.all())
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)  # [H, Dh, cols]
@@ -321,10 +330,10 @@ def backward(x, w, bias, labels, lse, alpha, target_grad, gamma, num_heads, soft
             lr = pb.low_rank_chunk(n0, n1, v0, v1)
             y = pb.logits(n0, n1, v0, v1, wc)
             if softcap is None:  # y is not needed again: dz takes its buffer
-                dz = y.sub_(lse_t[:, n0:n1, None])
+                dz = y.sub_(top_t[:, n0:n1, None])
             else:  # y is kept for the softcap derivative
-                dz = torch.sub(y, lse_t[:, n0:n1, None], out=pb.scratch("dz", *y.shape))
-            dz.exp_().mul_(alpha_t[:, n0:n1, None])
+                dz = torch.sub(y, top_t[:, n0:n1, None], out=pb.scratch("dz", *y.shape))
+            dz.sub_(log_sum_t[:, n0:n1, None]).exp_().mul_(alpha_t[:, n0:n1, None])
             dz -= gamma[None, n0:n1, None]
             hit, cols = _columns_in(labels[n0:n1], v0, v1)  # tokens whose target is in this chunk
             if hit.numel():

@@ -36,7 +36,7 @@ from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args
 
 @triton.jit
 def _dlogits_kernel(
-    X, W, B, U, LB, Labels, Lse, Alpha, TargetGrad, Gamma, DY, DB,
+    X, W, B, U, LB, Labels, Top, LogSum, Alpha, TargetGrad, Gamma, DY, DB,
     n_start, n_end, v_start, v_end, Dh, R, stride_x, stride_w, stride_u, stride_lb, stride_dy_head, stride_dy,
     softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
@@ -69,12 +69,14 @@ def _dlogits_kernel(
                         stride_x, stride_w, stride_u, stride_lb, softcap,
                         HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
         stat = rows * NUM_HEADS + head
-        lse = tl.load(Lse + stat, mask=row_valid, other=0.0)
+        top = tl.load(Top + stat, mask=row_valid, other=0.0)
+        log_sum = tl.load(LogSum + stat, mask=row_valid, other=0.0)
         alpha = tl.load(Alpha + stat, mask=row_valid, other=0.0)
         target_grad = tl.load(TargetGrad + stat, mask=row_valid, other=0.0)
         gamma = tl.load(Gamma + rows, mask=row_valid, other=0.0)
-        # the target's entry from the forward's log p_t (mixture.py): 1 - p_t from y_t - lse cancels
-        dy = tl.where(cols[None, :] == labels[:, None], target_grad[:, None], alpha[:, None] * tl.exp(y - lse[:, None]))
+        # p from the logsumexp's two parts, the target's entry from the forward's log p_t (mixture.py)
+        p = tl.exp((y - top[:, None]) - log_sum[:, None])
+        dy = tl.where(cols[None, :] == labels[:, None], target_grad[:, None], alpha[:, None] * p)
         dy -= gamma[:, None]
         if HAS_SOFTCAP:
             dy *= 1.0 - (y / softcap) * (y / softcap)
@@ -87,14 +89,14 @@ def _dlogits_kernel(
     tl.store(out, dy.to(DY.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-def backward(x, w, bias, labels, lse, alpha, target_grad, gamma, num_heads, softcap, needs, low_rank=None):
+def backward(x, w, bias, labels, top, log_sum, alpha, target_grad, gamma, num_heads, softcap, needs, low_rank=None):
     """Triton counterpart of ``torch_sweep.backward`` (labels: -1 marks ignored tokens)."""
     n, d = x.shape
     v = w.shape[0]
     need_dx, need_dw, need_db = needs[:3]
     need_du, need_dlb = needs[3:] if low_rank is not None else (False, False)
     f32 = {"dtype": torch.float32, "device": x.device}
-    slabs = _Slabs(x, w, bias, labels, lse, alpha, target_grad, gamma, num_heads, softcap, low_rank,
+    slabs = _Slabs(x, w, bias, labels, (top, log_sum), alpha, target_grad, gamma, num_heads, softcap, low_rank,
                    db=torch.zeros(v, **f32) if need_db else None,
                    du=torch.zeros(low_rank[0].shape, **f32) if need_du else None,
                    dlb=torch.zeros(low_rank[1].shape, **f32) if need_dlb else None, sanitize=need_dw or need_dlb)
@@ -193,7 +195,7 @@ def _reduction_pass(slabs, out, rows_axis, budget, side, dx_acc=None):
 class _Slabs:
     """Computes dY slabs [H, tokens, columns] (one buffer, reused) and their matmuls into the gradients."""
 
-    def __init__(self, x, w, bias, labels, lse, alpha, target_grad, gamma, num_heads, softcap, low_rank, db, du, dlb,
+    def __init__(self, x, w, bias, labels, head_stats, alpha, target_grad, gamma, num_heads, softcap, low_rank, db, du, dlb,
                  sanitize):
         self.x, self.w, self.bias, self.low_rank = x, w, bias, low_rank
         self.n, self.d = x.shape
@@ -201,8 +203,9 @@ class _Slabs:
         self.cfg = launch_config("backward", x.dtype, x.device)
         self.entry_bytes = num_heads * x.element_size()  # one (token, column) entry of a slab, all heads
         self.db, self.du, self.dlb = db, du, dlb
-        u, lb, self.rank, self.stride_u, self.stride_lb = low_rank_args(low_rank, lse)
-        self.args = (x, w, bias if bias is not None else lse, u, lb, labels, lse, alpha, target_grad, gamma)
+        top, log_sum = head_stats
+        u, lb, self.rank, self.stride_u, self.stride_lb = low_rank_args(low_rank, top)
+        self.args = (x, w, bias if bias is not None else top, u, lb, labels, top, log_sum, alpha, target_grad, gamma)
         self.softcap = softcap
         self.buffer = None
         # Matmul temporaries: none where every product is written or added in place (float32 inputs; one

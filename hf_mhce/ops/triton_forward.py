@@ -137,13 +137,12 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
         float(softcap) if softcap is not None else 1.0, NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **flags,
     )
     top, log_sum = combine_splits(top, log_sum)
-    lse = top + log_sum
     logit_sum = (logit_sum[0] if splits == 1 else logit_sum.sum(0)) if need_logit_sum else None
     if same_pass_ranks:
         ranks = ranks[0] if splits == 1 else ranks.sum(0)
     elif need_ranks:
-        ranks = mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap, low_rank)
-    return SweepStats(lse, target, (target - top) - log_sum, logit_sum, ranks if need_ranks else None)
+        ranks = mixture_ranks(x, w, bias, labels, top + log_sum, target, num_heads, softcap, low_rank)
+    return SweepStats(top, log_sum, target, (target - top) - log_sum, logit_sum, ranks if need_ranks else None)
 
 
 def combine_splits(top, log_sum):

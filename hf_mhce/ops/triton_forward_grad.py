@@ -51,7 +51,7 @@ def _logits_block(z_row, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOF
 
 @triton.jit
 def _row_stats_kernel(
-    Z, B, Labels, Lse, Target, LogPTarget, LogitSum, Ranks, n0, V, stride_head, stride_row, softcap,
+    Z, B, Labels, Top, LogSum, Target, LogPTarget, LogitSum, Ranks, n0, V, stride_head, stride_row, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
     NEED_RANKS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -88,10 +88,11 @@ def _row_stats_kernel(
     top_base = tl.where(top == float("-inf"), 0.0, top)
     log_sum = tl.log(tl.sum(s * tl.exp(m - top_base), axis=0))
     out = (n0 + row) * NUM_HEADS + head
-    tl.store(Lse + out, top + log_sum)
+    tl.store(Top + out, top)  # the logsumexp's two parts, apart: see mixture.py
+    tl.store(LogSum + out, log_sum)
     t = tl.where(label >= 0, t, 0.0)
     tl.store(Target + out, t)
-    tl.store(LogPTarget + out, (t - top) - log_sum)  # not t - lse: see mixture.py
+    tl.store(LogPTarget + out, (t - top) - log_sum)
     if NEED_SUM:
         tl.store(LogitSum + out, tl.sum(y_sum, axis=0))
     if NEED_RANKS:
@@ -100,7 +101,7 @@ def _row_stats_kernel(
 
 @triton.jit
 def _dlogits_in_place_kernel(
-    Z, DY, B, Labels, Lse, Alpha, TargetGrad, Gamma, n0, V, stride_head, stride_row, dy_stride_head, dy_stride_row,
+    Z, DY, B, Labels, Top, LogSum, Alpha, TargetGrad, Gamma, n0, V, stride_head, stride_row, dy_stride_head, dy_stride_row,
     softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -111,7 +112,9 @@ def _dlogits_in_place_kernel(
     label = tl.load(Labels + n0 + row)
     valid = label >= 0
     local = row * NUM_HEADS + head  # the coefficients are the chunk's, the statistics all tokens'
-    lse = tl.where(valid, tl.load(Lse + n0 * NUM_HEADS + local), 0.0)  # an ignored row's NaN stays out
+    stat = n0 * NUM_HEADS + local
+    top = tl.where(valid, tl.load(Top + stat), 0.0)  # an ignored row's NaN stays out
+    log_sum = tl.where(valid, tl.load(LogSum + stat), 0.0)
     alpha = tl.where(valid, tl.load(Alpha + local), 0.0)
     target_grad = tl.where(valid, tl.load(TargetGrad + local), 0.0)
     gamma = tl.where(valid, tl.load(Gamma + row), 0.0)
@@ -119,7 +122,8 @@ def _dlogits_in_place_kernel(
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         mask = cols < V
         y = _logits_block(z_row, B, cols, mask, softcap, HAS_BIAS, HAS_SOFTCAP)
-        dy = tl.where(cols == label, target_grad, alpha * tl.exp(y - lse)) - gamma  # target: see mixture.py
+        p = tl.exp((y - top) - log_sum)  # the target's entry from log p_t: see mixture.py
+        dy = tl.where(cols == label, target_grad, alpha * p) - gamma
         if HAS_SOFTCAP:
             dy *= 1.0 - (y / softcap) * (y / softcap)
         dy = tl.where(valid, dy, 0.0)  # ignored rows: 0, even where their logits are NaN
@@ -183,9 +187,10 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
         m = n1 - n0
         dy = z.view(x.dtype)[:, :, :v]  # dY of a row: the front of that row's bytes
         alpha, target_grad, gamma = mixture.grad_coefficients(
-            stats.lse[n0:n1], stats.log_p_target[n0:n1], valid[n0:n1], grad_scale.expand(m), v, label_smoothing, z_loss)
+            stats.top[n0:n1] + stats.log_sum[n0:n1], stats.log_p_target[n0:n1], valid[n0:n1], grad_scale.expand(m), v, label_smoothing, z_loss)
         _dlogits_in_place_kernel[(m, h)](
-            z, dy, bias if bias is not None else stats.lse, labels, stats.lse, alpha.contiguous(), target_grad.contiguous(),
+            z, dy, bias if bias is not None else stats.top, labels, stats.top, stats.log_sum, alpha.contiguous(),
+            target_grad.contiguous(),
             gamma.contiguous(), n0, v, z.stride(0), z.stride(1), dy.stride(0), dy.stride(1), cap, **flags)
         for head in range(h):
             cols, dy_h = slice(head * dh, (head + 1) * dh), dy[head]
@@ -231,8 +236,8 @@ def slab_forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, n
 
 def _empty_stats(n, num_heads, device, need_logit_sum, need_ranks) -> SweepStats:
     f32 = {"dtype": torch.float32, "device": device}
-    lse, target, log_p_target = (torch.empty(n, num_heads, **f32) for _ in range(3))
-    return SweepStats(lse, target, log_p_target, torch.empty(n, num_heads, **f32) if need_logit_sum else None,
+    top, log_sum, target, log_p_target = (torch.empty(n, num_heads, **f32) for _ in range(4))
+    return SweepStats(top, log_sum, target, log_p_target, torch.empty(n, num_heads, **f32) if need_logit_sum else None,
                       torch.empty(n, dtype=torch.int64, device=device) if need_ranks else None)
 
 
@@ -243,14 +248,14 @@ def _slab_sweep(x, w, bias, labels, num_heads, softcap, low_rank, rows, temp, st
     n, v, h = x.shape[0], w.shape[0], num_heads
     slab = torch.empty(h, rows, _aligned(v), dtype=torch.float32, device=x.device)
     flags, cap = _row_kernel_flags(h, bias, softcap)
-    lse = stats.lse
+    top = stats.top
     for n0 in range(0, n, rows):
         n1 = min(n, n0 + rows)
         z = slab[:, : n1 - n0]
         _chunk_logits(z[:, :, :v], x, w, low_rank, n0, n1, temp)
         _row_stats_kernel[(n1 - n0, h)](
-            z, bias if bias is not None else lse, labels, lse, stats.target, stats.log_p_target,
-            stats.logit_sum if stats.logit_sum is not None else lse,
+            z, bias if bias is not None else top, labels, top, stats.log_sum, stats.target, stats.log_p_target,
+            stats.logit_sum if stats.logit_sum is not None else top,
             stats.ranks if stats.ranks is not None else labels, n0, v, z.stride(0), z.stride(1), cap,
             NEED_SUM=stats.logit_sum is not None, NEED_RANKS=stats.ranks is not None, **flags)
         yield n0, n1, z

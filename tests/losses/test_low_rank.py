@@ -98,7 +98,9 @@ def test_needs_grad_combinations(backend, grad_in_forward, mask, monkeypatch):
     ops = __import__("hf_mhce.losses.dispatch", fromlist=["resolve"])
     real = ops.resolve
 
-    def spy(*a, **k):  # both entry points take ``needs`` as their eleventh argument
+    needs_at = {"backward": 11, "forward_with_grads": 10}  # where each entry point takes ``needs``
+
+    def spy(*a, **k):
         ns = real(*a, **k)
         wrapped = {}
         for name in ("backward", "forward_with_grads"):
@@ -106,7 +108,7 @@ def test_needs_grad_combinations(backend, grad_in_forward, mask, monkeypatch):
                 def entry(*args, _inner=getattr(ns, name), _name=name, **kwargs):
                     result = _inner(*args, **kwargs)
                     if _name == "backward" or result is not None:  # None: the backward will be asked
-                        requested.append(args[10])
+                        requested.append(args[needs_at[_name]])
                     return result
                 wrapped[name] = entry
         return type(ns)(**{**vars(ns), **wrapped})

@@ -59,7 +59,7 @@ def _case(shape, dtype):
     ops_labels = torch.where(valid, labels, -1)
     stats = torch_sweep.forward_stats(x, w, bias, ops_labels, heads, SOFTCAP, True, low_rank=(u, b))
     alpha, target_grad, gamma = mixture.grad_coefficients(stats.lse, stats.log_p_target, valid, g, v, LABEL_SMOOTHING, Z_LOSS)
-    coefficients = (ops_labels, stats.lse, alpha.contiguous(), target_grad.contiguous(), gamma.contiguous())
+    coefficients = (ops_labels, stats.top, stats.log_sum, alpha.contiguous(), target_grad.contiguous(), gamma.contiguous())
 
     x64, w64, bias64, u64, b64 = (t.double().requires_grad_() for t in tensors)
     xs = torch.cat([x64.unflatten(-1, (heads, d // heads)), u64], dim=-1).flatten(-2)
