@@ -186,12 +186,13 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     for n0, n1, z in _slab_sweep(x, w, bias, labels, h, softcap, low_rank, rows, temp, stats):
         m = n1 - n0
         dy = z.view(x.dtype)[:, :, :v]  # dY of a row: the front of that row's bytes
-        alpha, target_grad, gamma = mixture.grad_coefficients(
-            stats.top[n0:n1] + stats.log_sum[n0:n1], stats.log_p_target[n0:n1], valid[n0:n1], grad_scale.expand(m), v, label_smoothing, z_loss)
+        alpha, target_grad, gamma = mixture.grad_coefficients(stats.top[n0:n1] + stats.log_sum[n0:n1],
+                                                              stats.log_p_target[n0:n1], valid[n0:n1],
+                                                              grad_scale.expand(m), v, label_smoothing, z_loss)
         _dlogits_in_place_kernel[(m, h)](
             z, dy, bias if bias is not None else stats.top, labels, stats.top, stats.log_sum, alpha.contiguous(),
-            target_grad.contiguous(),
-            gamma.contiguous(), n0, v, z.stride(0), z.stride(1), dy.stride(0), dy.stride(1), cap, **flags)
+            target_grad.contiguous(), gamma.contiguous(), n0, v, z.stride(0), z.stride(1), dy.stride(0), dy.stride(1),
+            cap, **flags)
         for head in range(h):
             cols, dy_h = slice(head * dh, (head + 1) * dh), dy[head]
             if need_dx:
