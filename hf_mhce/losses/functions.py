@@ -84,13 +84,13 @@ class MultiHeadTokenLoss(torch.autograd.Function):
             else:
                 stats = ops.forward_stats(hidden, weight, bias, labels, num_heads, softcap, label_smoothing > 0,
                                           need_ranks=sink is not None, low_rank=low_rank)
+            log_p_target = stats.log_p_target
             losses = mixture.token_losses(
-                stats.lse, stats.log_p_target, stats.logit_sum, valid, weight.shape[0], label_smoothing, z_loss
+                stats.lse, log_p_target, stats.logit_sum, valid, weight.shape[0], label_smoothing, z_loss
             )
             if sink is not None:
-                sink(stats.ranks[valid], mixture.token_nll(stats.log_p_target[valid]))
-        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, labels, valid, stats.top, stats.log_sum,
-                              stats.log_p_target)
+                sink(stats.ranks[valid], mixture.token_nll(log_p_target[valid]))
+        ctx.save_for_backward(hidden, weight, bias, low_u, low_b, labels, valid, stats.top, stats.log_sum, log_p_target)
         ctx.options = (num_heads, softcap, label_smoothing, z_loss, ops)
         return losses
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .torch_sweep import _blocks, _Grads, _logsumexp_heads, _lse_sweep, _Problem
+from .torch_sweep import _blocks, _Grads, _logsumexp_heads, _lse_sweep, _Problem, head_logprobs
 
 
 def mixture_logprobs(x, w, bias, num_heads, softcap, low_rank=None):
@@ -25,15 +25,9 @@ def mixture_logprobs(x, w, bias, num_heads, softcap, low_rank=None):
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            logp = _head_logprobs(pb.logits(n0, n1, v0, v1, wc), top, log_sum, n0, n1)
+            logp = head_logprobs(pb.logits(n0, n1, v0, v1, wc), top, log_sum, n0, n1)
             out[n0:n1, v0:v1] = logp[0] if num_heads == 1 else _logsumexp_heads(logp, pb).sub_(log_h)
     return out, torch.stack([top, log_sum])
-
-
-def _head_logprobs(y, top, log_sum, n0, n1, out=None):
-    """log p_h = (y - max) - log sum [H, rows, cols] of a logits block (in place unless ``out``)."""
-    out = torch.sub(y, top.T[:, n0:n1, None], out=out) if out is not None else y.sub_(top.T[:, n0:n1, None])
-    return out.sub_(log_sum.T[:, n0:n1, None])
 
 
 def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpbar, grad, needs, low_rank=None):
@@ -57,7 +51,7 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpba
         """(hidden chunk, low-rank chunk, y, log p, grad * r) of one block."""
         xc, lr = pb.hidden_chunk(n0, n1), pb.low_rank_chunk(n0, n1, v0, v1)
         y = pb.logits(n0, n1, v0, v1, wc)
-        logp = _head_logprobs(y, top, log_sum, n0, n1, out=pb.scratch("logp", *y.shape))
+        logp = head_logprobs(y, top, log_sum, n0, n1, out=pb.scratch("logp", *y.shape))
         lpbar = logpbar[None, n0:n1, v0:v1]
         gr = torch.sub(logp, log_h, out=pb.scratch("gr", *y.shape)).sub_(lpbar).exp_()
         if masked:  # exp(-inf - -inf) is NaN at entries masked in every head: equal shares

@@ -143,14 +143,12 @@ class _Problem:
 class SweepStats(NamedTuple):
     """Per-token statistics of a forward sweep; [N, H] in compute dtype, ranks [N] int64.
 
-    The logsumexp is kept as its two parts, ``top`` = max_j y_j and ``log_sum`` = log sum_j exp(y_j - top),
-    and ``log_p_target`` = (target - top) - log_sum: one rounded float32 lse would put half an ulp of |lse|
-    into every log-probability (see ``mixture``)."""
+    The logsumexp is kept as its two parts, ``top`` = max_j y_j and ``log_sum`` = log sum_j exp(y_j - top):
+    one rounded float32 lse would put half an ulp of |lse| into every log-probability (see ``mixture``)."""
 
     top: torch.Tensor
     log_sum: torch.Tensor
     target: torch.Tensor
-    log_p_target: torch.Tensor
     logit_sum: torch.Tensor | None
     ranks: torch.Tensor | None
 
@@ -158,6 +156,15 @@ class SweepStats(NamedTuple):
     def lse(self) -> torch.Tensor:
         """logsumexp_j y_j [N, H], rounded once (the z-loss, smoothing and mixture-rank terms)."""
         return self.top + self.log_sum
+
+    @property
+    def log_p_target(self) -> torch.Tensor:
+        """log p_h(t) [N, H] = (target - top) - log_sum: exact where the target is the maximum."""
+        return (self.target - self.top) - self.log_sum
+
+    def rows(self, n0: int, n1: int) -> SweepStats:
+        """The statistics of tokens n0:n1."""
+        return SweepStats(*(t[n0:n1] if t is not None else None for t in self))
 
 
 def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False, low_rank=None):
@@ -175,7 +182,7 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     top, log_sum, target, logit_sum = _lse_sweep(pb, need_logit_sum, labels)
     ranks = _rank_sweep(pb, top + log_sum, target, labels) if need_ranks else None
-    return SweepStats(top, log_sum, target, (target - top) - log_sum, logit_sum, ranks)
+    return SweepStats(top, log_sum, target, logit_sum, ranks)
 
 
 def _columns_in(labels, v0, v1):
@@ -217,6 +224,13 @@ def _lse_sweep(pb: _Problem, need_logit_sum: bool, labels=None):
             s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - base) + y.sub_(base[..., None]).exp_().sum(-1)
             m[:, n0:n1] = m_new
     return m.T.contiguous(), s.log_().T.contiguous(), target, (ysum.T.contiguous() if ysum is not None else None)
+
+
+def head_logprobs(y, top, log_sum, n0, n1, out=None):
+    """log p_h = (y - top) - log_sum [H, rows, cols] of the logits block of tokens n0:n1 (in place unless
+    ``out``); top, log_sum [N, H] as in ``SweepStats``."""
+    out = torch.sub(y, top.T[:, n0:n1, None], out=out) if out is not None else y.sub_(top.T[:, n0:n1, None])
+    return out.sub_(log_sum.T[:, n0:n1, None])
 
 
 def _finite_base(m):
@@ -320,7 +334,7 @@ def backward(x, w, bias, labels, top, log_sum, alpha, target_grad, gamma, num_he
     pb = _Problem(x, w, bias, num_heads, softcap, low_rank)
     valid = labels >= 0
     grads = _Grads(pb, needs)
-    top_t, log_sum_t, alpha_t, target_grad_t = top.T, log_sum.T, alpha.T, target_grad.T  # [H, N]
+    alpha_t, target_grad_t = alpha.T, target_grad.T  # [H, N]
     any_invalid = not bool(valid.all())
     for v0, v1 in _blocks(pb.v, pb.cols):
         wc = pb.weight_chunk(v0, v1)  # [H, Dh, cols]
@@ -329,11 +343,9 @@ def backward(x, w, bias, labels, top, log_sum, alpha, target_grad, gamma, num_he
             xc = pb.hidden_chunk(n0, n1)
             lr = pb.low_rank_chunk(n0, n1, v0, v1)
             y = pb.logits(n0, n1, v0, v1, wc)
-            if softcap is None:  # y is not needed again: dz takes its buffer
-                dz = y.sub_(top_t[:, n0:n1, None])
-            else:  # y is kept for the softcap derivative
-                dz = torch.sub(y, top_t[:, n0:n1, None], out=pb.scratch("dz", *y.shape))
-            dz.sub_(log_sum_t[:, n0:n1, None]).exp_().mul_(alpha_t[:, n0:n1, None])
+            # log p, in y's buffer unless y is kept for the softcap derivative
+            dz = head_logprobs(y, top, log_sum, n0, n1, out=None if softcap is None else pb.scratch("dz", *y.shape))
+            dz.exp_().mul_(alpha_t[:, n0:n1, None])
             dz -= gamma[None, n0:n1, None]
             hit, cols = _columns_in(labels[n0:n1], v0, v1)  # tokens whose target is in this chunk
             if hit.numel():

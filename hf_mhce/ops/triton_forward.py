@@ -142,7 +142,7 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
         ranks = ranks[0] if splits == 1 else ranks.sum(0)
     elif need_ranks:
         ranks = mixture_ranks(x, w, bias, labels, top + log_sum, target, num_heads, softcap, low_rank)
-    return SweepStats(top, log_sum, target, (target - top) - log_sum, logit_sum, ranks if need_ranks else None)
+    return SweepStats(top, log_sum, target, logit_sum, ranks if need_ranks else None)
 
 
 def combine_splits(top, log_sum):

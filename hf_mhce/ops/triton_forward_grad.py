@@ -51,7 +51,7 @@ def _logits_block(z_row, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOF
 
 @triton.jit
 def _row_stats_kernel(
-    Z, B, Labels, Top, LogSum, Target, LogPTarget, LogitSum, Ranks, n0, V, stride_head, stride_row, softcap,
+    Z, B, Labels, Top, LogSum, Target, LogitSum, Ranks, n0, V, stride_head, stride_row, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
     NEED_RANKS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -90,9 +90,7 @@ def _row_stats_kernel(
     out = (n0 + row) * NUM_HEADS + head
     tl.store(Top + out, top)  # the logsumexp's two parts, apart: see mixture.py
     tl.store(LogSum + out, log_sum)
-    t = tl.where(label >= 0, t, 0.0)
-    tl.store(Target + out, t)
-    tl.store(LogPTarget + out, (t - top) - log_sum)
+    tl.store(Target + out, tl.where(label >= 0, t, 0.0))
     if NEED_SUM:
         tl.store(LogitSum + out, tl.sum(y_sum, axis=0))
     if NEED_RANKS:
@@ -186,8 +184,8 @@ def forward_with_grads(x, w, bias, labels, valid, num_heads, softcap, label_smoo
     for n0, n1, z in _slab_sweep(x, w, bias, labels, h, softcap, low_rank, rows, temp, stats):
         m = n1 - n0
         dy = z.view(x.dtype)[:, :, :v]  # dY of a row: the front of that row's bytes
-        alpha, target_grad, gamma = mixture.grad_coefficients(stats.top[n0:n1] + stats.log_sum[n0:n1],
-                                                              stats.log_p_target[n0:n1], valid[n0:n1],
+        part = stats.rows(n0, n1)
+        alpha, target_grad, gamma = mixture.grad_coefficients(part.lse, part.log_p_target, valid[n0:n1],
                                                               grad_scale.expand(m), v, label_smoothing, z_loss)
         _dlogits_in_place_kernel[(m, h)](
             z, dy, bias if bias is not None else stats.top, labels, stats.top, stats.log_sum, alpha.contiguous(),
@@ -237,8 +235,8 @@ def slab_forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, n
 
 def _empty_stats(n, num_heads, device, need_logit_sum, need_ranks) -> SweepStats:
     f32 = {"dtype": torch.float32, "device": device}
-    top, log_sum, target, log_p_target = (torch.empty(n, num_heads, **f32) for _ in range(4))
-    return SweepStats(top, log_sum, target, log_p_target, torch.empty(n, num_heads, **f32) if need_logit_sum else None,
+    top, log_sum, target = (torch.empty(n, num_heads, **f32) for _ in range(3))
+    return SweepStats(top, log_sum, target, torch.empty(n, num_heads, **f32) if need_logit_sum else None,
                       torch.empty(n, dtype=torch.int64, device=device) if need_ranks else None)
 
 
@@ -255,7 +253,7 @@ def _slab_sweep(x, w, bias, labels, num_heads, softcap, low_rank, rows, temp, st
         z = slab[:, : n1 - n0]
         _chunk_logits(z[:, :, :v], x, w, low_rank, n0, n1, temp)
         _row_stats_kernel[(n1 - n0, h)](
-            z, bias if bias is not None else top, labels, top, stats.log_sum, stats.target, stats.log_p_target,
+            z, bias if bias is not None else top, labels, top, stats.log_sum, stats.target,
             stats.logit_sum if stats.logit_sum is not None else top,
             stats.ranks if stats.ranks is not None else labels, n0, v, z.stride(0), z.stride(1), cap,
             NEED_SUM=stats.logit_sum is not None, NEED_RANKS=stats.ranks is not None, **flags)
