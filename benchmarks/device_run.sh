@@ -76,6 +76,9 @@ case "$STAGE" in
       --out "$RECORDS"
     step gpu_suite_grad_in_forward_chunks python3 benchmarks/gpu_suite.py --workspace-mb 8192 --tokens 16800 \
       --heads 1 --dtypes bfloat16 --reps 3 --out "$RECORDS"
+    # a softcap (Gemma-2's 30): against the H = 1 bf16 row
+    step gpu_suite_softcap python3 benchmarks/gpu_suite.py --heads 1 --dtypes bfloat16 --softcap 30 --reps 3 \
+      --out "$RECORDS"
     # rank ties with duplicated target rows (the target logit rounds like the sweep's tiles)
     step gpu_ties python3 benchmarks/gpu_ties.py --out "$RECORDS"
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes

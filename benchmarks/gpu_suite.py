@@ -36,9 +36,10 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def eager_mhce(x, w, b, labels, heads):
+def eager_mhce(x, w, b, labels, heads, softcap=None):
     """Materialised per-head logits in the input dtype, float32 mixture loss (the eager baseline)."""
-    lp = torch.stack([F.log_softmax((xs @ ws.T + b).float(), -1)
+    cap = (lambda y: softcap * torch.tanh(y / softcap)) if softcap else (lambda y: y)
+    lp = torch.stack([F.log_softmax(cap((xs @ ws.T + b).float()), -1)
                       for xs, ws in zip(x.chunk(heads, -1), w.chunk(heads, -1))])
     mix = torch.logsumexp(lp, 0) - math.log(heads)
     valid = labels != -100
@@ -53,9 +54,10 @@ def widen(x, w, u, lb, heads):
     return xs, ws.flatten(-2)
 
 
-def run_case(n, v, d, heads, dtype, device, reps, rank=0):
+def run_case(n, v, d, heads, dtype, device, reps, rank=0, softcap=None):
     """One (dtype, H) row.  With rank > 0 a LoRA-style low-rank pair (U [N, H, R], B [V, R]) is added
-    and the base weight is frozen: errors of dX, dU, dB_low and dB; dW is not computed."""
+    and the base weight is frozen: errors of dX, dU, dB_low and dB; dW is not computed.  ``softcap``: the
+    logits are c tanh(y / c) (Gemma-2's final softcap is 30)."""
     g = torch.Generator(device="cpu").manual_seed(heads)
     x0 = torch.randn(n, d, generator=g).to(device)
     w0 = (torch.randn(v, d, generator=g) / math.sqrt(d)).to(device)
@@ -71,10 +73,11 @@ def run_case(n, v, d, heads, dtype, device, reps, rank=0):
         return (x, w.requires_grad_(not rank), b) + ((u, lb) if rank else ())
 
     def ours(backend, x, w, b, *low):
-        return multi_head_cross_entropy(x, w, labels, heads, bias=b, backend=backend, low_rank=low or None)
+        return multi_head_cross_entropy(x, w, labels, heads, bias=b, backend=backend, low_rank=low or None,
+                                        softcap=softcap)
 
     def eager(x, w, b, *low):
-        return eager_mhce(*(widen(x, w, *low, heads) if low else (x, w)), b, labels, heads)
+        return eager_mhce(*(widen(x, w, *low, heads) if low else (x, w)), b, labels, heads, softcap)
 
     def grads(dt, fn):
         ts = leaves(dt)
@@ -158,6 +161,7 @@ def main(argv=None):
     p.add_argument("--reps", type=positive_int, default=5)
     p.add_argument("--lora-rank", type=int, default=0,
                    help="add a LoRA-style low-rank pair of this rank, base weight frozen (the low_rank path)")
+    p.add_argument("--softcap", type=float, help="logit softcap c (c tanh(y / c)), as Gemma-2's 30")
     p.add_argument("--workspace-mb", type=float, help="HF_MHCE_WORKSPACE_MB for this run (default: as set, or 512)")
     add_out_options(p)
     args = p.parse_args(argv)
@@ -169,6 +173,8 @@ def _run(p, args):
     workspace_bytes()  # a bad value stops here, naming the variable
     if args.lora_rank < 0:
         p.error(f"--lora-rank must be 0 (none) or positive, got {args.lora_rank}")
+    if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
+        p.error(f"--softcap must be a finite positive number, got {args.softcap}")
     device = check_device(p, args)
     n, v, d = (given or default for given, default in zip((args.tokens, args.vocab, args.hidden),
                                                             SMALL if args.small else FULL))
@@ -176,13 +182,15 @@ def _run(p, args):
         p.error(f"every --heads must divide the hidden size {d}: got {args.heads}")
     name = device_label(device)
     record = Record(p, args, f"{name}-{datetime.date.today().isoformat()}-gpu-suite"
-                    + (f"-lora{args.lora_rank}" if args.lora_rank else ""), named={"lora_rank"})
+                    + (f"-lora{args.lora_rank}" if args.lora_rank else "")
+                    + (f"-softcap{args.softcap:g}" if args.softcap else ""), named={"lora_rank", "softcap"})
     rows = []
     lora = f", LoRA-style low-rank pair r={args.lora_rank} with the base weight frozen" if args.lora_rank else ""
+    lora += f", softcap {args.softcap:g}" if args.softcap else ""
     lora += f", HF_MHCE_WORKSPACE_MB={workspace_bytes() / 2**20:g}"
     for dt in args.dtypes:
         for h in args.heads:
-            row = run_case(n, v, d, h, getattr(torch, dt), device, args.reps, args.lora_rank)
+            row = run_case(n, v, d, h, getattr(torch, dt), device, args.reps, args.lora_rank, args.softcap)
             rows.append(row)
             print(json.dumps(row))
             keys = list(dict.fromkeys(k for r in rows for k in r))

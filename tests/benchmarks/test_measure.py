@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -151,6 +152,24 @@ def test_gpu_suite_keeps_its_rows_when_eager_runs_out_of_memory(monkeypatch, tmp
     (row,) = json.loads(record.read_text())
     assert row["eager_note"] == "out of memory" and row["err_loss"] < 1e-2 and "ours_ms" in row, row
 
+
+
+def test_gpu_suite_softcap_row(tmp_path):
+    """--softcap reaches both the fused loss and the eager baseline: the errors against the float64
+    reference stay at float32's level (a softcap missing on either side would be O(1) off), and the
+    record's name says it."""
+    pytest.importorskip("triton")
+    import gpu_suite
+
+    gpu_suite.main(["--device", "cpu", "--small", "--tokens", "9", "--vocab", "67", "--hidden", "8", "--heads", "2",
+                    "--dtypes", "bfloat16", "--softcap", "2.5", "--reps", "1", "--out", str(tmp_path)])
+    (record,) = tmp_path.glob("*-softcap2.5-*.json")
+    (row,) = json.loads(record.read_text())
+    # bf16 at this size: ~2e-5 (loss) and ~5e-3 (gradients) on both sides; without the softcap on the
+    # eager side 7e-3 and 0.14
+    for side in ("err", "eager_err"):
+        assert row[f"{side}_loss"] < 1e-3, row
+        assert all(row[f"{side}_{g}"] < 2e-2 for g in ("dx", "dw", "db")), row
 
 
 def test_peers_table_names_the_versions():
