@@ -76,16 +76,17 @@ case "$STAGE" in
       --out "$RECORDS"
     step gpu_suite_grad_in_forward_chunks python3 benchmarks/gpu_suite.py --workspace-mb 8192 --tokens 16800 \
       --heads 1 --dtypes bfloat16 --reps 3 --out "$RECORDS"
-    # a softcap (Gemma-2's 30): against the H = 1 bf16 row
+    # a softcap (Gemma-2's 30): the backward's derivative costs registers (NOTES change 12), against the H = 1 bf16 row
     step gpu_suite_softcap python3 benchmarks/gpu_suite.py --heads 1 --dtypes bfloat16 --softcap 30 --reps 3 \
       --out "$RECORDS"
     # rank ties with duplicated target rows (the target logit rounds like the sweep's tiles)
     step gpu_ties python3 benchmarks/gpu_ties.py --out "$RECORDS"
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
     step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 200 --out "$RECORDS"
-    # 3. confident tokens (log p_t from the sweep's own maximum) on the GPU's kernels, if the image has pytest
-    step confident_tokens env HF_MHCE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-      tests/losses/test_confident_tokens.py
+    # 3. confident tokens (log p_t from the sweep's own maximum) and a saturated softcap (its derivative)
+    # on the GPU's kernels, if the image has pytest
+    step accuracy_on_gpu env HF_MHCE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+      tests/losses/test_confident_tokens.py tests/losses/test_softcap_saturated.py
     ;;
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -48,15 +48,15 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpba
     masked = bool((logpbar.amin(dim=1) == -math.inf).any())
 
     def block_terms(wc, v0, v1, n0, n1):
-        """(hidden chunk, low-rank chunk, y, log p, grad * r) of one block."""
+        """(hidden chunk, low-rank chunk, softcap derivative or None, log p, grad * r) of one block."""
         xc, lr = pb.hidden_chunk(n0, n1), pb.low_rank_chunk(n0, n1, v0, v1)
-        y = pb.logits(n0, n1, v0, v1, wc)
-        logp = head_logprobs(y, top, log_sum, n0, n1, out=pb.scratch("logp", *y.shape))
+        y, slope = pb.logits_and_slope(n0, n1, v0, v1, wc)
+        logp = head_logprobs(y, top, log_sum, n0, n1)
         lpbar = logpbar[None, n0:n1, v0:v1]
         gr = torch.sub(logp, log_h, out=pb.scratch("gr", *y.shape)).sub_(lpbar).exp_()
         if masked:  # exp(-inf - -inf) is NaN at entries masked in every head: equal shares
             gr.masked_fill_(torch.isneginf(lpbar), 1.0 / num_heads)
-        return xc, lr, y, logp, gr.mul_(grad[None, n0:n1, v0:v1])
+        return xc, lr, slope, logp, gr.mul_(grad[None, n0:n1, v0:v1])
 
     s = torch.zeros(pb.h, pb.n, dtype=pb.cdt, device=x.device)
     if num_heads == 1:
@@ -72,10 +72,10 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpba
         wc = pb.weight_chunk(v0, v1)
         grads.start_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
-            xc, lr, y, logp, gr = block_terms(wc, v0, v1, n0, n1)
+            xc, lr, slope, logp, gr = block_terms(wc, v0, v1, n0, n1)
             dz = gr.sub_(logp.exp_().mul_(s[:, n0:n1, None]))
             if softcap is not None:
-                dz *= y.div_(softcap).square_().neg_().add_(1.0)
+                dz *= slope
             grads.add(dz, xc, wc, lr, n0, n1)
         grads.end_chunk()
     return grads.result()

@@ -101,9 +101,9 @@ class _Problem:
             return None
         return self.u[n0:n1].to(self.cdt).transpose(0, 1), self.b[v0:v1].to(self.cdt).T
 
-    def logits(self, n0, n1, v0, v1, wc):
-        """Logits block [H, n1 - n0, v1 - v0] in compute dtype, softcap applied (wc: ``weight_chunk(v0, v1)``),
-        in the scratch buffer "y": valid until the next block's logits.
+    def logits(self, n0, n1, v0, v1, wc, softcap=True):
+        """Logits block [H, n1 - n0, v1 - v0] in compute dtype, softcap applied unless ``softcap`` is False
+        (wc: ``weight_chunk(v0, v1)``), in the scratch buffer "y": valid until the next block's logits.
 
         Every product has at least MIN_GEMM_SIZE rows and columns: a smaller last block is the end of a
         window of that size, a smaller whole dimension is zero-padded.  CPU BLAS takes other kernels for
@@ -127,9 +127,19 @@ class _Problem:
         y = y[:, n0 - a0:n1 - a0, v0 - b0:v1 - b0]
         if self.bias is not None:
             y += self.bias[v0:v1].to(self.cdt)
-        if self.softcap is not None:
+        if softcap and self.softcap is not None:
             y.div_(self.softcap).tanh_().mul_(self.softcap)
         return y
+
+    def logits_and_slope(self, n0, n1, v0, v1, wc):
+        """(y, dy/dz) for a backward: the logits block as ``logits`` rounds it and, with a softcap, its
+        derivative 1 - tanh(z / c)^2 as cosh(z / c)^-2, which does not cancel where |tanh| -> 1 (from a
+        rounded tanh: 1e-7 / (1 - |tanh|) relative error); in two scratch buffers, None without a softcap."""
+        if self.softcap is None:
+            return self.logits(n0, n1, v0, v1, wc), None
+        u = self.logits(n0, n1, v0, v1, wc, softcap=False).div_(self.softcap)
+        y = torch.tanh(u, out=self.scratch("capped", *u.shape)).mul_(self.softcap)
+        return y, u.cosh_().square_().reciprocal_()  # cosh overflows to inf past |u| ~ 89: slope 0
 
     def _padded(self, name, t, dim):
         """``t`` (3-D) with zeros after it along ``dim`` up to MIN_GEMM_SIZE."""
@@ -342,16 +352,15 @@ def backward(x, w, bias, labels, top, log_sum, alpha, target_grad, gamma, num_he
         for n0, n1 in _blocks(pb.n, pb.rows):
             xc = pb.hidden_chunk(n0, n1)
             lr = pb.low_rank_chunk(n0, n1, v0, v1)
-            y = pb.logits(n0, n1, v0, v1, wc)
-            # log p, in y's buffer unless y is kept for the softcap derivative
-            dz = head_logprobs(y, top, log_sum, n0, n1, out=None if softcap is None else pb.scratch("dz", *y.shape))
+            y, slope = pb.logits_and_slope(n0, n1, v0, v1, wc)
+            dz = head_logprobs(y, top, log_sum, n0, n1)  # log p, in y's buffer
             dz.exp_().mul_(alpha_t[:, n0:n1, None])
             dz -= gamma[None, n0:n1, None]
             hit, cols = _columns_in(labels[n0:n1], v0, v1)  # tokens whose target is in this chunk
             if hit.numel():
                 dz[:, hit, cols] = target_grad_t[:, n0:n1][:, hit] - gamma[n0:n1][hit]
-            if softcap is not None:  # d(c tanh(z / c)) / dz = 1 - (y / c)^2
-                dz *= y.div_(softcap).square_().neg_().add_(1.0)
+            if softcap is not None:
+                dz *= slope
             if any_invalid:  # ignored tokens (padding) contribute nothing, even with a NaN/inf hidden row,
                 # whose 0 * NaN would otherwise make dW NaN (as in eager torch) in one backend only
                 ignored = ~valid[None, n0:n1, None]

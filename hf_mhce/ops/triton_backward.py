@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .budget import workspace_bytes
-from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args
+from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args, tanh_parts
 
 
 @triton.jit
@@ -67,7 +67,10 @@ def _dlogits_kernel(
         col0 = head * Dh
         y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, head * R, R,
                         stride_x, stride_w, stride_u, stride_lb, softcap,
-                        HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
+                        HAS_BIAS, False, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
+        if HAS_SOFTCAP:  # as softcap_fn, with the derivative
+            t, slope = tanh_parts(y / softcap)
+            y = softcap * t
         stat = rows * NUM_HEADS + head
         top = tl.load(Top + stat, mask=row_valid, other=0.0)
         log_sum = tl.load(LogSum + stat, mask=row_valid, other=0.0)
@@ -79,7 +82,7 @@ def _dlogits_kernel(
         dy = tl.where(cols[None, :] == labels[:, None], target_grad[:, None], alpha[:, None] * p)
         dy -= gamma[:, None]
         if HAS_SOFTCAP:
-            dy *= 1.0 - (y / softcap) * (y / softcap)
+            dy *= slope
         # Ignored rows (padding) contribute nothing, even with NaN logits (their hidden rows are zeroed
         # for dW by the host when they are not finite: 0 * NaN would be NaN).
         dy = tl.where(row_valid[:, None] & col_mask[None, :], dy, 0.0)

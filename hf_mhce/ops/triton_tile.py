@@ -126,14 +126,27 @@ def dot(a, b, acc, DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def softcap_fn(z, softcap):
-    # c * tanh(u), u = z / c.  The exp form saturates cleanly to +-c for large |u| but cancels for small
-    # |u| (1 - 2 / (e^2u + 1) keeps about |u| of float32's relative precision: with c = 1e5 the logits were
-    # 1e-2 off); below |u| = 1/4 tanh's Taylor series to u^9 is exact to float32 (next term < 1e-9 relative).
-    u = z / softcap
+def tanh_parts(u):
+    """(tanh(u), its derivative 1 - tanh(u)^2), each to a few float32 ulps for every u.
+
+    Both from q = 1 - tanh|u| = 2 / (e^2|u| + 1), exact to its own size: tanh = sign(u) (1 - q) rounds once
+    for either sign (1 - 2 / (e^2u + 1) of a negative u kept only the ulp of q ~ 2), and 1 - tanh^2 = q (2 - q)
+    does not cancel where |tanh| -> 1 (from a rounded tanh it had 1e-7 / (1 - |tanh|) relative error).
+    Below |u| = 1/4, where 1 - q cancels, tanh's Taylor series to u^9 (next term < 1e-9 relative): the
+    exp form kept about |u| of float32's precision there (a softcap of 1e5 put the logits 1e-2 off).
+    """
+    q = 2.0 / (tl.exp(2.0 * tl.abs(u)) + 1.0)
     u2 = u * u
     series = u * (1.0 + u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0 + u2 * (62.0 / 2835.0)))))
-    return softcap * tl.where(tl.abs(u) < 0.25, series, 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+    t = tl.where(tl.abs(u) < 0.25, series, tl.where(u < 0, q - 1.0, 1.0 - q))
+    return t, q * (2.0 - q)
+
+
+@triton.jit
+def softcap_fn(z, softcap):
+    """c * tanh(z / c)."""
+    t, _ = tanh_parts(z / softcap)
+    return softcap * t
 
 
 @triton.jit
