@@ -1,26 +1,16 @@
 """`hf-mhce rbe` on the inputs users get wrong: checkpoints without a tokenizer or without an LM head,
-dataset paths, block sizes, splits, padded token-id datasets.  Reports are checked against plain
-transformers losses; refusals must name the problem before any numbers are printed."""
+dataset paths, block sizes, splits, padded token-id datasets, counts, outputs.  Reports are checked against
+plain transformers losses; refusals must name the problem before any numbers are printed.  Documents,
+columns and labels: test_cli_documents.py; the shared checkpoints: conftest.py."""
 
-import json
-import os
-import random
 import sys
 from pathlib import Path
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import datasets
 import pytest
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    LlamaForSequenceClassification,
-)
+from cli_helpers import POSITIONS, TEXT, reference_ce, refused, run_rbe, text_stream
+from transformers import GPT2LMHeadModel
 
 from hf_mhce.cli import main
 from hf_mhce.rbe.data import DataError, load_texts, token_blocks
@@ -29,70 +19,6 @@ from hf_mhce.train import corpus
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "patching"))
 from test_remote_code import REPLACED_FORWARD, remote_code_checkpoint  # noqa: E402
 
-POSITIONS = 32
-TEXT = "the cat sat on the mat\nthe dog sat on the log\n\na cat and a dog met on the mat\n" * 4
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """Tiny checkpoints (GPT-2 with 32 positions, Llama, a Llama classifier, a LoRA adapter), with and
-    without tokenizer files, and the evaluation text."""
-    root = tmp_path_factory.mktemp("rbe_inputs")
-    tok = corpus.train_tokenizer(corpus.embedded_texts()[0][:8] + [TEXT], vocab_size=300)
-    torch.manual_seed(0)
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=POSITIONS,
-                                      eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id))
-    for name, with_tok in (("gpt2", True), ("gpt2_notok", False)):
-        gpt2.save_pretrained(root / name)
-        if with_tok:
-            tok.save_pretrained(root / name)
-    llama = {"vocab_size": len(tok), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
-    LlamaForCausalLM(LlamaConfig(**llama)).save_pretrained(root / "llama_notok")
-    LlamaForSequenceClassification(LlamaConfig(**llama, num_labels=3, pad_token_id=0)).save_pretrained(root / "seqcls")
-    tok.save_pretrained(root / "seqcls")
-    from peft import LoraConfig, get_peft_model
-
-    lora = get_peft_model(GPT2LMHeadModel.from_pretrained(root / "gpt2"),
-                          LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False))
-    lora.save_pretrained(root / "adapter_notok")  # records the base's path, saves no tokenizer
-    get_peft_model(GPT2LMHeadModel.from_pretrained(root / "gpt2_notok"),
-                   LoraConfig(r=4, target_modules=["c_attn"])).save_pretrained(root / "adapter_bare")
-    (root / "c.txt").write_text(TEXT)
-    return root, tok
-
-
-def _run(*argv, tmp_path):
-    out = tmp_path / "report.json"
-    assert main(["rbe", *map(str, argv), "--no-progress", "--device", "cpu", "--json", str(out)]) == 0
-    return json.loads(out.read_text())
-
-
-def _refused(*argv, capsys) -> str:
-    """The message of a refusal: SystemExit's own, or argparse's on stderr."""
-    with pytest.raises(SystemExit) as info:
-        main(["rbe", *map(str, argv), "--no-progress", "--device", "cpu"])
-    assert info.value.code not in (0, None)
-    return str(info.value.code) + capsys.readouterr().err
-
-
-def _stream(tok, text=TEXT):
-    """What `hf-mhce rbe` evaluates of a text file: the file as one document, then EOS (no BOS: this
-    tokenizer adds none)."""
-    return tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-
-
-@torch.no_grad()
-def _reference_ce(model, rows):
-    """Token-weighted mean of transformers' own loss, one unpadded row at a time."""
-    model.eval()
-    total = count = 0.0
-    for ids in rows:
-        ids = torch.tensor([ids])
-        total += model(input_ids=ids, labels=ids).loss.item() * (ids.shape[1] - 1)
-        count += ids.shape[1] - 1
-    return total / count, int(count)
-
 
 # -- tokenizers ---------------------------------------------------------------------------------
 
@@ -100,48 +26,48 @@ def test_checkpoint_without_tokenizer_is_refused(ckpt, capsys):
     root, _ = ckpt
     # GPT-2 got an empty tokenizer and a report over EOS tokens; Llama asked for sentencepiece
     for name in ("gpt2_notok", "llama_notok"):
-        msg = _refused(root / name, "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
+        msg = refused(root / name, "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
         assert f"no tokenizer in {root / name}: pass --tokenizer" in msg
-    msg = _refused(root / "adapter_bare", "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
+    msg = refused(root / "adapter_bare", "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
     assert f"no tokenizer in {root / 'adapter_bare'} nor in its base model {root / 'gpt2_notok'}: pass --tokenizer" in msg
 
 
 def test_tokenizer_option_and_adapter_base_tokenizer(ckpt, tmp_path):
     root, tok = ckpt
     model = GPT2LMHeadModel.from_pretrained(root / "gpt2")
-    stream = _stream(tok)
+    stream = text_stream(tok)
     rows = [stream[i:i + 16] for i in range(0, len(stream), 16)]
-    want, n = _reference_ce(model, rows)
-    report = _run(root / "gpt2_notok", "--dataset", root / "c.txt", "--block-size", 16, "--tokenizer", root / "gpt2",
+    want, n = reference_ce(model, rows)
+    report = run_rbe(root / "gpt2_notok", "--dataset", root / "c.txt", "--block-size", 16, "--tokenizer", root / "gpt2",
                   tmp_path=tmp_path)
     assert report["num_tokens"] == n and report["cross_entropy"] == pytest.approx(want, rel=1e-5)
     # an adapter saved without a tokenizer: its base model's (adapter_config's base_model_name_or_path)
     from peft import PeftModel
 
     adapted = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(root / "gpt2"), root / "adapter_notok")
-    want_lora, _ = _reference_ce(adapted, rows)
+    want_lora, _ = reference_ce(adapted, rows)
     assert want_lora != pytest.approx(want, rel=1e-4)  # the adapter changes the model
-    report = _run(root / "adapter_notok", "--dataset", root / "c.txt", "--block-size", 16, tmp_path=tmp_path)
+    report = run_rbe(root / "adapter_notok", "--dataset", root / "c.txt", "--block-size", 16, tmp_path=tmp_path)
     assert report["num_tokens"] == n and report["cross_entropy"] == pytest.approx(want_lora, rel=1e-5)
 
 
 def test_empty_or_wrong_tokenizer_is_refused(ckpt, tmp_path, capsys):
     root, tok = ckpt
     # a --tokenizer that cannot be loaded: one line, which does not ask for the option that was given
-    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--tokenizer", tmp_path / "no_such_tok", capsys=capsys)
+    msg = refused(root / "gpt2", "--dataset", root / "c.txt", "--tokenizer", tmp_path / "no_such_tok", capsys=capsys)
     assert f"could not load a tokenizer from {tmp_path / 'no_such_tok'}" in msg and msg.rstrip().endswith("check --tokenizer")
     assert "\n" not in str(msg).split("usage")[0].rstrip()
     # tokenizer_config.json alone: AutoTokenizer builds a GPT2Tokenizer with 1 token, every text -> []
     (tmp_path / "empty_tok").mkdir()
     (tmp_path / "empty_tok" / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
-    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--tokenizer", tmp_path / "empty_tok", capsys=capsys)
+    msg = refused(root / "gpt2", "--dataset", root / "c.txt", "--tokenizer", tmp_path / "empty_tok", capsys=capsys)
     assert "has 1 token(s)" in msg and "--tokenizer" in msg
     # a tokenizer with more tokens than the model's embeddings (was an IndexError in torch.embedding)
     big = corpus.train_tokenizer([TEXT] + corpus.embedded_texts()[0][:8], vocab_size=600)
     big.save_pretrained(tmp_path / "big_tok")
-    top = max(_stream(big))
+    top = max(text_stream(big))
     assert top >= len(tok)
-    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--tokenizer", tmp_path / "big_tok", capsys=capsys)
+    msg = refused(root / "gpt2", "--dataset", root / "c.txt", "--tokenizer", tmp_path / "big_tok", capsys=capsys)
     assert f"gives token id {top}" in msg and f"has {len(tok)} token embeddings" in msg
 
 
@@ -164,7 +90,7 @@ def test_text_of_special_tokens_only_is_refused():
 
 def test_checkpoint_without_lm_head_is_refused(ckpt, capsys):
     root, _ = ckpt
-    msg = _refused(root / "seqcls", "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
+    msg = refused(root / "seqcls", "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
     assert f"{root / 'seqcls'} has no language-model head" in msg
     assert "LlamaForSequenceClassification" in msg and "lm_head.weight not in the checkpoint" in msg
 
@@ -178,12 +104,12 @@ def test_a_remote_code_checkpoint_is_run_with_the_flag(ckpt, tmp_path, capsys):
 
     root, tok = ckpt
     remote = remote_code_checkpoint(tmp_path / "remote", tok)
-    msg = _refused(remote, "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
+    msg = refused(remote, "--dataset", root / "c.txt", "--block-size", 16, capsys=capsys)
     assert f"The repository {remote} contains custom code" in msg and "Pass --trust-remote-code to run it" in msg
-    stream = _stream(tok)
+    stream = text_stream(tok)
     rows = [stream[i:i + 16] for i in range(0, len(stream), 16)]
-    want, n = _reference_ce(AutoModelForCausalLM.from_pretrained(remote, trust_remote_code=True), rows)
-    report = _run(remote, "--dataset", root / "c.txt", "--block-size", 16, "--trust-remote-code", tmp_path=tmp_path)
+    want, n = reference_ce(AutoModelForCausalLM.from_pretrained(remote, trust_remote_code=True), rows)
+    report = run_rbe(remote, "--dataset", root / "c.txt", "--block-size", 16, "--trust-remote-code", tmp_path=tmp_path)
     assert report["num_tokens"] == n and report["cross_entropy"] == pytest.approx(want, rel=1e-5)
 
 
@@ -193,26 +119,26 @@ def test_dataset_paths(ckpt, tmp_path, capsys):
     root, _ = ckpt
     model = ("--block-size", 16)
     for missing in ("sub/missing.txt", str(tmp_path / "nothing"), "./notes.md"):
-        msg = _refused(root / "gpt2", "--dataset", missing, *model, capsys=capsys)
+        msg = refused(root / "gpt2", "--dataset", missing, *model, capsys=capsys)
         assert f"no such file or directory: {missing!r}" in msg
     for name, content in (("empty.txt", ""), ("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
         (tmp_path / name).write_text(content)
-        msg = _refused(root / "gpt2", "--dataset", tmp_path / name, *model, capsys=capsys)
+        msg = refused(root / "gpt2", "--dataset", tmp_path / name, *model, capsys=capsys)
         assert f"no text in {str(tmp_path / name)!r}: the file is empty" in msg
     (tmp_path / "weights.bin").write_bytes(b"\x00\x01\xff" * 100)
-    msg = _refused(root / "gpt2", "--dataset", tmp_path / "weights.bin", *model, capsys=capsys)
+    msg = refused(root / "gpt2", "--dataset", tmp_path / "weights.bin", *model, capsys=capsys)
     assert "is neither a text file nor one of the data files" in msg and ".jsonl" in msg
     # a text file with another extension (or none) is plain text, one document, as a .txt is
-    want = _run(root / "gpt2", "--dataset", root / "c.txt", *model, tmp_path=tmp_path)
+    want = run_rbe(root / "gpt2", "--dataset", root / "c.txt", *model, tmp_path=tmp_path)
     for name in ("c.md", "corpus"):
         (tmp_path / name).write_text(TEXT)
-        assert _run(root / "gpt2", "--dataset", tmp_path / name, *model, tmp_path=tmp_path) == {
+        assert run_rbe(root / "gpt2", "--dataset", tmp_path / name, *model, tmp_path=tmp_path) == {
             **want, "dataset": str(tmp_path / name)}
 
 
 def test_split_of_single_file_is_refused_not_ignored(ckpt, tmp_path, capsys):
     root, _ = ckpt
-    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--split", "validation", "--block-size", 16,
+    msg = refused(root / "gpt2", "--dataset", root / "c.txt", "--split", "validation", "--block-size", 16,
                    capsys=capsys)
     assert "is a single file, which has no splits" in msg and "leave out --split" in msg
     assert load_texts(str(root / "c.txt"), split="train")["text"] == load_texts(str(root / "c.txt"))["text"] == [TEXT]
@@ -232,21 +158,21 @@ def test_split_of_single_file_is_refused_not_ignored(ckpt, tmp_path, capsys):
 def test_block_size_checks(ckpt, tmp_path, capsys):
     root, tok = ckpt
     for bad in ("0", "1", "-3"):
-        msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--block-size", bad, capsys=capsys)
+        msg = refused(root / "gpt2", "--dataset", root / "c.txt", "--block-size", bad, capsys=capsys)
         assert "argument --block-size" in msg and "at least 2 tokens" in msg
-    msg = _refused(root / "gpt2", "--dataset", root / "c.txt", "--block-size", 64, capsys=capsys)
+    msg = refused(root / "gpt2", "--dataset", root / "c.txt", "--block-size", 64, capsys=capsys)
     assert f"--block-size 64 is more than the {POSITIONS} positions {root / 'gpt2'} takes" in msg
     # the default is min(256, the model's positions): blocks of 32 here
-    stream = _stream(tok)
+    stream = text_stream(tok)
     rows = [stream[i:i + POSITIONS] for i in range(0, len(stream), POSITIONS)]
     assert len(rows) >= 3
-    want, n = _reference_ce(GPT2LMHeadModel.from_pretrained(root / "gpt2"), rows)
-    report = _run(root / "gpt2", "--dataset", root / "c.txt", tmp_path=tmp_path)
+    want, n = reference_ce(GPT2LMHeadModel.from_pretrained(root / "gpt2"), rows)
+    report = run_rbe(root / "gpt2", "--dataset", root / "c.txt", tmp_path=tmp_path)
     assert capsys.readouterr().out.count(f"({len(rows)} blocks)") == 1
     assert report["num_tokens"] == n and report["cross_entropy"] == pytest.approx(want, rel=1e-5)
     # a token-id dataset keeps its rows: one longer than the model's positions is named
     datasets.Dataset.from_dict({"input_ids": [stream[:40], stream[:10]]}).save_to_disk(tmp_path / "long")
-    msg = _refused(root / "gpt2", "--dataset", tmp_path / "long", capsys=capsys)
+    msg = refused(root / "gpt2", "--dataset", tmp_path / "long", capsys=capsys)
     assert f"has rows of up to 40 token ids, more than the {POSITIONS} positions" in msg
 
 
@@ -263,7 +189,7 @@ def test_bad_token_ids_are_named_before_the_model_loads(ckpt, tmp_path, capsys, 
     loads = []
     real = cli._load_model
     monkeypatch.setattr(cli, "_load_model", lambda *a: loads.append(a) or real(*a))
-    msg = _refused(root / "gpt2", "--dataset", tmp_path / "bad", capsys=capsys)
+    msg = refused(root / "gpt2", "--dataset", tmp_path / "bad", capsys=capsys)
     assert message in msg and "Traceback" not in msg
     assert not loads  # refused before the model loads
 
@@ -272,7 +198,7 @@ def test_bad_token_ids_are_named_before_the_model_loads(ckpt, tmp_path, capsys, 
 
 def test_padded_token_id_rows_carry_their_mask(ckpt, tmp_path):
     root, tok = ckpt
-    stream = _stream(tok)
+    stream = text_stream(tok)
     real = [stream[:12], stream[12:17], stream[17:29], stream[29:30]]  # the last: one token, no target
     width = 12
     ids = [r + [tok.eos_token_id] * (width - len(r)) for r in real]
@@ -283,8 +209,8 @@ def test_padded_token_id_rows_carry_their_mask(ckpt, tmp_path):
     assert rows == [{"input_ids": ids[0]}, {"input_ids": ids[1], "attention_mask": mask[1]},
                     {"input_ids": ids[2]}]
     ds.save_to_disk(tmp_path / "padded")
-    want, n = _reference_ce(GPT2LMHeadModel.from_pretrained(root / "gpt2"), real[:3])
-    report = _run(root / "gpt2", "--dataset", tmp_path / "padded", "--batch-size", 3, tmp_path=tmp_path)
+    want, n = reference_ce(GPT2LMHeadModel.from_pretrained(root / "gpt2"), real[:3])
+    report = run_rbe(root / "gpt2", "--dataset", tmp_path / "padded", "--batch-size", 3, tmp_path=tmp_path)
     assert report["num_tokens"] == n == 11 + 4 + 11
     assert report["cross_entropy"] == pytest.approx(want, rel=1e-5)
 
@@ -296,128 +222,25 @@ def test_padded_token_id_rows_carry_their_mask(ckpt, tmp_path):
 def test_counts_below_one_are_refused_by_name(flag, value, tmp_path, capsys):
     """--max-blocks -1 evaluated all blocks but one, --max-blocks 0 said the file had no text, --batch-size 0
     failed in the DataLoader after the model was loaded: now argparse names the flag before anything loads."""
-    msg = _refused(tmp_path / "not-loaded", "--dataset", tmp_path / "not-read.txt", flag, value, capsys=capsys)
+    msg = refused(tmp_path / "not-loaded", "--dataset", tmp_path / "not-read.txt", flag, value, capsys=capsys)
     assert f"argument {flag}: {value}: must be a positive whole number" in msg
 
 
 def test_max_blocks_limits_the_blocks(ckpt, tmp_path, capsys):
     root, _ = ckpt
-    report = _run(root / "gpt2", "--dataset", root / "c.txt", "--block-size", 16, "--max-blocks", 1, "--batch-size", 1,
+    report = run_rbe(root / "gpt2", "--dataset", root / "c.txt", "--block-size", 16, "--max-blocks", 1, "--batch-size", 1,
                   tmp_path=tmp_path)
     assert report["num_tokens"] == 15 and "(1 blocks)" in capsys.readouterr().out
-
-
-# -- documents, columns and labels --------------------------------------------------------------
-
-def _random_lines(seed, n=12):
-    rng = random.Random(seed)
-    words = TEXT.split()
-    return [" ".join(rng.choices(words, k=rng.randint(1, 9))) for _ in range(n)]
-
-
-def _bos_tokenizer(tok):
-    """``tok`` with a BOS its encodings start with, as Llama's tokenizers add one."""
-    from tokenizers import Tokenizer, processors
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
-    backend.add_special_tokens(["<s>"])
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token=tok.eos_token)
-
-
-def test_text_files_are_documents_that_start_with_the_tokenizers_bos(ckpt, tmp_path):
-    """Each line of a .txt was a row, so every line break became an EOS; and no BOS was ever added, though a
-    Llama-like tokenizer starts every text it encodes with one (the model then sees at inference what it
-    never saw in the evaluation or in training)."""
-    _, tok = ckpt
-    docs = ["\n".join(_random_lines(seed)) + "\n\n" for seed in (1, 2)]
-    (tmp_path / "one").mkdir()
-    for i, doc in enumerate(docs):
-        (tmp_path / "one" / f"{i}.txt").write_text(doc)
-    assert load_texts(str(tmp_path / "one" / "0.txt"))["text"] == docs[:1]
-    texts = load_texts(str(tmp_path / "one"), split="train")
-    assert sorted(texts["text"]) == sorted(docs)
-    eos = tok.eos_token_id
-    plain = [tok(doc, add_special_tokens=False)["input_ids"] for doc in texts["text"]]
-    rows = token_blocks(texts, tok, block_size=10_000)
-    assert rows == [{"input_ids": plain[0] + [eos] + plain[1] + [eos]}]  # EOS between files, line breaks kept
-    assert tok.decode(rows[0]["input_ids"]).count("\n") == sum(doc.count("\n") for doc in docs)
-    with_bos = _bos_tokenizer(tok)
-    bos = with_bos.bos_token_id
-    assert with_bos(docs[0])["input_ids"][0] == bos != eos
-    assert token_blocks(texts, with_bos, block_size=10_000) == [
-        {"input_ids": [bos] + plain[0] + [eos] + [bos] + plain[1] + [eos]}]
-    # `tok` is the default job's tokenizer (BOS = EOS = <|endoftext|>, which it never adds): no BOS above
-    assert tok.bos_token_id == eos and tok(docs[0])["input_ids"] == tok(docs[0], add_special_tokens=False)["input_ids"]
-
-
-def test_a_folder_mixing_file_types_is_refused(tmp_path):
-    """datasets read only one type of a folder holding a .txt and a .jsonl, silently dropping the other."""
-    (tmp_path / "mixed").mkdir()
-    (tmp_path / "mixed" / "a.txt").write_text("\n".join(_random_lines(3)))
-    (tmp_path / "mixed" / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in _random_lines(4)))
-    with pytest.raises(DataError, match=r"mixes data files of different types: json \(\.jsonl\), text \(\.txt\)"):
-        load_texts(str(tmp_path / "mixed"), split="train")
-
-
-def test_columns_without_text_are_refused_and_blank_rows_skipped(ckpt, tmp_path, capsys):
-    """A chat 'messages' column or a column of numbers reached the tokenizer (a raw ValueError); rows of
-    whitespace only were tokenised as text while empty ones were skipped."""
-    root, tok = ckpt
-    lines = _random_lines(5, n=6)
-    chat = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": t}] for t in lines]})
-    with pytest.raises(DataError, match=r"column 'messages' holds List\(.*'content'.*\), not text .* with --text-column; "
-                                        "render chat messages"):
-        token_blocks(chat, tok, "messages")
-    numbers = datasets.Dataset.from_dict({"text": list(range(6))})
-    with pytest.raises(DataError, match=r"column 'text' holds Value\('int64'\), not text"):
-        token_blocks(numbers, tok)
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chat["messages"]))
-    msg = _refused(root / "gpt2", "--dataset", tmp_path / "chat.jsonl", "--text-column", "messages", capsys=capsys)
-    assert "column 'messages' holds" in msg and "--text-column" in msg
-    blank = datasets.Dataset.from_dict({"text": ["  ", lines[0], "\n\t", None, "", lines[1]]})
-    assert token_blocks(blank, tok, block_size=64) == token_blocks(datasets.Dataset.from_dict({"text": lines[:2]}), tok,
-                                                                   block_size=64)
-
-
-def test_a_labels_column_is_evaluated_as_given(ckpt, tmp_path):
-    """A token-id dataset with labels (a masked prompt): the labels were recomputed from input_ids, so
-    the prompt's tokens were evaluated too."""
-    root, tok = ckpt
-    g = torch.Generator().manual_seed(11)
-    rows = []
-    for _ in range(5):
-        length = int(torch.randint(6, 20, (1,), generator=g))
-        ids = torch.randint(0, len(tok), (length,), generator=g)
-        labels = ids.clone()
-        labels[: int(torch.randint(1, length - 2, (1,), generator=g))] = -100
-        rows.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
-    rows.append({"input_ids": rows[0]["input_ids"][:4], "labels": [5, -100, -100, -100]})  # no target: dropped
-    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "ids")
-    model = GPT2LMHeadModel.from_pretrained(root / "gpt2").eval()
-    total = count = 0.0
-    with torch.no_grad():
-        for r in rows[:-1]:
-            n = sum(label != -100 for label in r["labels"][1:])
-            total += model(input_ids=torch.tensor([r["input_ids"]]), labels=torch.tensor([r["labels"]])).loss.item() * n
-            count += n
-    report = _run(root / "gpt2", "--dataset", tmp_path / "ids", "--batch-size", 2, tmp_path=tmp_path)
-    assert report["num_tokens"] == count < sum(len(r["input_ids"]) - 1 for r in rows[:-1])
-    assert report["cross_entropy"] == pytest.approx(total / count, rel=1e-5)
-    bad = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2]]})
-    with pytest.raises(DataError, match="row 0 has 2 labels for 3 input_ids"):
-        token_blocks(bad, tok)
 
 
 def test_a_missing_checkpoint_directory_is_named(ckpt, tmp_path, capsys):
     """transformers took the path for a malformed hub id: a raw OSError ("Repo id must be in the form ...")."""
     root, _ = ckpt
     missing = tmp_path / "no" / "such_ckpt"
-    msg = _refused(missing, "--dataset", root / "c.txt", capsys=capsys)
+    msg = refused(missing, "--dataset", root / "c.txt", capsys=capsys)
     assert f"no such checkpoint directory: {str(missing)!r}" in msg
     # a file: two chained tracebacks ending in transformers' OSError
-    msg = _refused(root / "c.txt", "--dataset", root / "c.txt", capsys=capsys)
+    msg = refused(root / "c.txt", "--dataset", root / "c.txt", capsys=capsys)
     assert f"{str(root / 'c.txt')!r} is a file, not a checkpoint directory (MODEL is a checkpoint" in msg
 
 
@@ -438,7 +261,7 @@ def test_outputs_and_device_are_checked_before_anything_loads(option, value, rea
 
 def test_plot_without_matplotlib_is_refused_before_loading(ckpt, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("hf_mhce.rbe.plots.available", lambda: False)  # was an ImportError after the evaluation
-    msg = _refused(ckpt[0] / "gpt2", "--dataset", tmp_path / "not-read.txt", "--plot", tmp_path / "p.png", capsys=capsys)
+    msg = refused(ckpt[0] / "gpt2", "--dataset", tmp_path / "not-read.txt", "--plot", tmp_path / "p.png", capsys=capsys)
     assert "--plot: RBE plots need matplotlib" in msg
 
 
@@ -456,7 +279,7 @@ def test_a_mistyped_relative_checkpoint_is_named_not_a_hub_traceback(ckpt, tmp_p
     root, _ = ckpt
     (tmp_path / "outputs").mkdir()
     monkeypatch.chdir(tmp_path)
-    msg = _refused("outputs/hf-mhce-trian", "--dataset", root / "c.txt", capsys=capsys)
+    msg = refused("outputs/hf-mhce-trian", "--dataset", root / "c.txt", capsys=capsys)
     assert "'outputs/hf-mhce-trian' is no local directory, and loading it as a Hub id failed" in msg
     assert "'outputs' is a local directory, so this is likely a mistyped path" in msg
 
