@@ -255,14 +255,14 @@ def test_device_run_checks_the_gpu_before_writing(tmp_path, fake, message):
 
 def test_device_run_tune_steps_get_distinct_records(monkeypatch, tmp_path):
     """The tune stage's command lines, run with the GPU work stubbed: every step's options parse and
-    each step's record gets its own name (five gpu_suite runs, two of them once under one name)."""
+    each step's record gets its own name (six gpu_suite runs, two of them once under one name)."""
     import torch
 
     monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", "512")  # gpu_suite --workspace-mb sets it: restored after the test
     text = (BENCH / "device_run.sh").read_text().replace("\\\n", " ")
     tune = text[text.index("  tune)\n"):text.index("  peers)\n")]
     steps = re.findall(r'python3 benchmarks/(\w+)\.py (.*?)--out "\$RECORDS"(.*)', tune)
-    assert [s for s, *_ in steps] == ["gpu_suite"] * 5 + ["gpu_ties", "tile_sweep"], steps
+    assert [s for s, *_ in steps] == ["gpu_suite"] * 6 + ["gpu_ties", "tile_sweep"], steps
     stubs = {"gpu_suite": ("run_case", lambda *a: {"dtype": "bfloat16", "err_loss": 0.0}),
              "gpu_ties": ("run_case", lambda *a: {"forward": a[-1], "wrong_ranks": 0}), "tile_sweep": ("run", lambda *a: [])}
     for script, before, after in steps:
