@@ -81,6 +81,8 @@ case "$STAGE" in
       --out "$RECORDS"
     # rank ties with duplicated target rows (the target logit rounds like the sweep's tiles)
     step gpu_ties python3 benchmarks/gpu_ties.py --out "$RECORDS"
+    # confident tokens at Llama-3's vocabulary: the loss's relative error, ours and eager (NOTES change 13)
+    step confident_large_vocab python3 benchmarks/confident_large_vocab.py --vocab 128256
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
     step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 200 --out "$RECORDS"
     # 3. confident tokens (log p_t from the sweep's own maximum) and a saturated softcap (its derivative)
