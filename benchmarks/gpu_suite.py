@@ -185,16 +185,16 @@ def _run(p, args):
                     + (f"-lora{args.lora_rank}" if args.lora_rank else "")
                     + (f"-softcap{args.softcap:g}" if args.softcap else ""), named={"lora_rank", "softcap"})
     rows = []
-    lora = f", LoRA-style low-rank pair r={args.lora_rank} with the base weight frozen" if args.lora_rank else ""
-    lora += f", softcap {args.softcap:g}" if args.softcap else ""
-    lora += f", HF_MHCE_WORKSPACE_MB={workspace_bytes() / 2**20:g}"
+    options = f", LoRA-style low-rank pair r={args.lora_rank} with the base weight frozen" if args.lora_rank else ""
+    options += f", softcap {args.softcap:g}" if args.softcap else ""
+    options += f", HF_MHCE_WORKSPACE_MB={workspace_bytes() / 2**20:g}"
     for dt in args.dtypes:
         for h in args.heads:
             row = run_case(n, v, d, h, getattr(torch, dt), device, args.reps, args.lora_rank, args.softcap)
             rows.append(row)
             print(json.dumps(row))
             keys = list(dict.fromkeys(k for r in rows for k in r))
-            lines = [f"# GPU suite: N={n}, V={v}, D={d}{lora} on {name}", "",
+            lines = [f"# GPU suite: N={n}, V={v}, D={d}{options} on {name}", "",
                      "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
             lines += ["| " + " | ".join(f"{r.get(k, ''):.3g}" if isinstance(r.get(k), float) else str(r.get(k, ""))
                                         for k in keys) + " |" for r in rows]

@@ -74,7 +74,7 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpba
         for n0, n1 in _blocks(pb.n, pb.rows):
             xc, lr, slope, logp, gr = block_terms(wc, v0, v1, n0, n1)
             dz = gr.sub_(logp.exp_().mul_(s[:, n0:n1, None]))
-            if softcap is not None:
+            if slope is not None:
                 dz *= slope
             grads.add(dz, xc, wc, lr, n0, n1)
         grads.end_chunk()

@@ -359,7 +359,7 @@ def backward(x, w, bias, labels, top, log_sum, alpha, target_grad, gamma, num_he
             hit, cols = _columns_in(labels[n0:n1], v0, v1)  # tokens whose target is in this chunk
             if hit.numel():
                 dz[:, hit, cols] = target_grad_t[:, n0:n1][:, hit] - gamma[n0:n1][hit]
-            if softcap is not None:
+            if slope is not None:
                 dz *= slope
             if any_invalid:  # ignored tokens (padding) contribute nothing, even with a NaN/inf hidden row,
                 # whose 0 * NaN would otherwise make dW NaN (as in eager torch) in one backend only

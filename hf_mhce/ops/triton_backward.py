@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .budget import workspace_bytes
-from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args, tanh_parts
+from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args, softcap_and_slope
 
 
 @triton.jit
@@ -68,9 +68,8 @@ def _dlogits_kernel(
         y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, head * R, R,
                         stride_x, stride_w, stride_u, stride_lb, softcap,
                         HAS_BIAS, False, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
-        if HAS_SOFTCAP:  # as softcap_fn, with the derivative
-            t, slope = tanh_parts(y / softcap)
-            y = softcap * t
+        if HAS_SOFTCAP:
+            y, slope = softcap_and_slope(y, softcap)
         stat = rows * NUM_HEADS + head
         top = tl.load(Top + stat, mask=row_valid, other=0.0)
         log_sum = tl.load(LogSum + stat, mask=row_valid, other=0.0)

@@ -30,7 +30,7 @@ from . import mixture
 from .budget import grad_in_forward, workspace_bytes
 from .torch_sweep import MIN_GEMM_SIZE, SweepStats
 from .triton_backward import _aligned, _matmul_into, _zero_ignored_nonfinite, accumulation_mode
-from .triton_tile import softcap_fn, tanh_parts
+from .triton_tile import softcap_and_slope, softcap_fn
 
 # Below this many tokens per chunk the matmuls run thin (and the float32 dW is summed often): the
 # backward's slabs are the better use of a small workspace.
@@ -120,9 +120,8 @@ def _dlogits_in_place_kernel(
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         mask = cols < V
         y = _logits_block(z_row, B, cols, mask, softcap, HAS_BIAS, False)
-        if HAS_SOFTCAP:  # as softcap_fn, with the derivative
-            t, slope = tanh_parts(y / softcap)
-            y = softcap * t
+        if HAS_SOFTCAP:
+            y, slope = softcap_and_slope(y, softcap)
         p = tl.exp((y - top) - log_sum)  # the target's entry from log p_t: see mixture.py
         dy = tl.where(cols == label, target_grad, alpha * p) - gamma
         if HAS_SOFTCAP:

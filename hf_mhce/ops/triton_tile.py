@@ -143,10 +143,17 @@ def tanh_parts(u):
 
 
 @triton.jit
+def softcap_and_slope(z, softcap):
+    """(c tanh(z / c), its derivative 1 - tanh(z / c)^2): the dY kernels' softcap."""
+    t, slope = tanh_parts(z / softcap)
+    return softcap * t, slope
+
+
+@triton.jit
 def softcap_fn(z, softcap):
-    """c * tanh(z / c)."""
-    t, _ = tanh_parts(z / softcap)
-    return softcap * t
+    """c * tanh(z / c), rounded as ``softcap_and_slope`` rounds it."""
+    y, _ = softcap_and_slope(z, softcap)
+    return y
 
 
 @triton.jit
