@@ -6,8 +6,9 @@
 Each token's target logit is 0 and the others lie `gap` to `gap` + 3 below, so its loss is
 log(1 + rest) with rest = sum_{j != t} exp(z_j) ~ 1e-2 .. 1e-5.  A running sum exp(z - max) that holds
 the maximum's own 1 rounds every later addition to an ulp of 1 (6e-8): a block or tile's share of
-rest below that is lost (NOTES change 13).  Eager is F.cross_entropy on the same float32 logits.
-Hidden rows are one-hot, so the logits are exactly the weight's columns.  Prints one line per gap.
+rest below that was lost, before the sweeps kept the rest apart (NOTES change 13).  Eager is
+F.cross_entropy on the same float32 logits.  Hidden rows are one-hot, so the logits are exactly the
+weight's columns.  Prints one line per gap.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ case "$STAGE" in
     # 3. confident tokens (log p_t from the sweep's own maximum) and a saturated softcap (its derivative)
     # on the GPU's kernels, if the image has pytest
     step accuracy_on_gpu env HF_MHCE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-      tests/losses/test_confident_tokens.py tests/losses/test_softcap_saturated.py
+      tests/losses/test_confident_tokens.py tests/losses/test_confident_large_vocab.py tests/losses/test_softcap_saturated.py
     ;;
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -3,7 +3,9 @@
 
 log p_h = (y - max_h) - log sum_j exp(y_hj - max_h), not y - lse_h: the top entry's log p of a
 confident head is then exact to its own size (lse rounded to one float32 is off by half an ulp of
-|lse|, the whole of log p = -1e-5; see ``mixture``).
+|lse|, the whole of log p = -1e-5; see ``mixture``), at any vocabulary size (``_lse_sweep``).  The mixture
+of several heads is a logsumexp over them per entry, whose sum ~ H rounds to an ulp of H as eager's does:
+a top entry's log pbar ~ -1e-5 keeps eager float32's accuracy there, not float32's precision.
 """
 
 from __future__ import annotations

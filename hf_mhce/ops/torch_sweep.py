@@ -154,7 +154,9 @@ class SweepStats(NamedTuple):
     """Per-token statistics of a forward sweep; [N, H] in compute dtype, ranks [N] int64.
 
     The logsumexp is kept as its two parts, ``top`` = max_j y_j and ``log_sum`` = log sum_j exp(y_j - top):
-    one rounded float32 lse would put half an ulp of |lse| into every log-probability (see ``mixture``)."""
+    one rounded float32 lse would put half an ulp of |lse| into every log-probability (see ``mixture``).
+    ``log_sum`` is log1p of the sum without the maximum's 1 (``_lse_sweep``): exact to float32's precision
+    for a confident token however many blocks the vocabulary takes."""
 
     top: torch.Tensor
     log_sum: torch.Tensor
@@ -212,11 +214,15 @@ def _count_above(pb, values, reference, labels, v0):
 
 def _lse_sweep(pb: _Problem, need_logit_sum: bool, labels=None):
     """[N, H] maxima m and log sum exp(y - m) (their sum is the logsumexp, kept apart for accuracy: see
-    ``mixture``), target logits (given ``labels``; read off the blocks) and optional logit sums."""
+    ``mixture``), target logits (given ``labels``; read off the blocks) and optional logit sums.
+
+    The sum is kept as rest = sum exp(y - m) - 1, without the maximum's own 1 (log sum = log1p(rest)):
+    a running sum holding that 1 rounds each later block's share of 1 - p_t to an ulp of 1, all of a
+    confident token's loss at a large vocabulary (NOTES change 13).  rest starts at -1 (an empty sum)."""
     shape = (pb.h, pb.n)
     dev = pb.x.device
     m = torch.full(shape, -math.inf, dtype=pb.cdt, device=dev)
-    s = torch.zeros(shape, dtype=pb.cdt, device=dev)
+    rest = torch.full(shape, -1.0, dtype=pb.cdt, device=dev)
     ysum = torch.zeros(shape, dtype=pb.cdt, device=dev) if need_logit_sum else None
     target = torch.zeros(pb.n, pb.h, dtype=pb.cdt, device=dev) if labels is not None else None
     for v0, v1 in _blocks(pb.v, pb.cols):
@@ -228,12 +234,29 @@ def _lse_sweep(pb: _Problem, need_logit_sum: bool, labels=None):
                 target[n0 + hit] = y[:, hit, cols].T
             if ysum is not None:
                 ysum[:, n0:n1] += y.sum(-1)
-            m_old = m[:, n0:n1]
-            m_new = torch.maximum(m_old, y.amax(dim=-1))
-            base = _finite_base(m_new)
-            s[:, n0:n1] = s[:, n0:n1] * torch.exp(m_old - base) + y.sub_(base[..., None]).exp_().sum(-1)
-            m[:, n0:n1] = m_new
-    return m.T.contiguous(), s.log_().T.contiguous(), target, (ysum.T.contiguous() if ysum is not None else None)
+            rest[:, n0:n1], m[:, n0:n1] = _add_block(pb, y, m[:, n0:n1], rest[:, n0:n1])
+    log_sum = rest.log1p_()
+    return m.T.contiguous(), log_sum.T.contiguous(), target, (ysum.T.contiguous() if ysum is not None else None)
+
+
+def _add_block(pb, y, m, rest):
+    """(rest, m) [H, rows] after the logits block y [H, rows, cols] (overwritten with -exp(y - m_new) below
+    the maximum, 0 at it).
+
+    Where the block holds a new maximum, one entry equal to it becomes the implicit 1 and the old sum,
+    1 + rest, is rescaled; every other entry (further ties included) adds to rest.  The entries at the
+    maximum are told by sign(y - m_new) = 0, in float ops (an argmax or a comparison into bools ran
+    at a tenth of an exp's speed on the CPU)."""
+    block_max = y.amax(dim=-1)
+    m_new = torch.maximum(m, block_max)
+    base = _finite_base(m_new)
+    d = y.sub_(base[..., None])
+    below_max = torch.sign(d, out=pb.scratch("sign", *d.shape))  # -1, 0 at the maximum (NaN: 0, see below)
+    ties = below_max.sum(-1).add_(d.shape[-1])  # entries at the maximum (exact: at most 4096)
+    below = d.exp_().mul_(below_max).sum(-1).neg_()  # a NaN entry keeps NaN: NaN * 0
+    scale = torch.exp(m - base)  # 0 while m = -inf (rest is -1 then: an empty sum)
+    carried = torch.where(block_max > m, scale + rest * scale + (ties - 1), rest + ties)
+    return carried + below, m_new
 
 
 def head_logprobs(y, top, log_sum, n0, n1, out=None):

@@ -7,7 +7,7 @@ without the sweep kernel carrying that tile's registers.
 Grid: (token blocks, vocabulary splits, heads).  Each program streams one split of the vocabulary
 for BLOCK_N tokens of one head, the statistics in registers.  Splits exist for occupancy: 4096
 tokens are only 64 token blocks, half an H100's 132 SMs; each split writes its partial maximum and
-log-sum (kept apart: see mixture.py), logit sum and rank count, combined afterwards in float32
+rest of the sum (kept apart: see mixture.py and ``add_tile``), logit sum and rank count, combined afterwards in float32
 (``combine_splits`` / sums over splits, O(S * N * H)).
 """
 
@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .torch_sweep import SweepStats
 from .triton_ranks import mixture_ranks
-from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args, target_logits_tile
+from .triton_tile import add_tile, dot_settings, launch_config, logits_tile, low_rank_args, target_logits_tile
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _target_kernel(
 
 @triton.jit
 def _forward_kernel(
-    X, W, B, U, LB, Labels, Top, LogSum, Target, LogitSum, Ranks,
+    X, W, B, U, LB, Labels, Top, Rest, Target, LogitSum, Ranks,
     N, V, V_PER_SPLIT, Dh, R, stride_x, stride_w, stride_u, stride_lb, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
     NEED_SUM: tl.constexpr, NEED_RANKS: tl.constexpr,
@@ -59,7 +59,7 @@ def _forward_kernel(
         t_acc = tl.load(Target + rows * NUM_HEADS + head, mask=row_mask, other=0.0)
 
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    rest = tl.full([BLOCK_N], -1.0, dtype=tl.float32)  # sum exp(y - m) - 1 (an empty sum: -1); see add_tile
     y_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
     rank = tl.zeros([BLOCK_N], dtype=tl.int64)
     v_begin = split * V_PER_SPLIT
@@ -71,12 +71,7 @@ def _forward_kernel(
                         stride_x, stride_w, stride_u, stride_lb, softcap,
                         HAS_BIAS, HAS_SOFTCAP, HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
         y = tl.where(col_mask[None, :], y, float("-inf"))
-        m_new = tl.maximum(m, tl.max(y, axis=1))
-        # 0 as the base while every entry so far is -inf (a masked vocabulary, e.g. a -inf bias, can
-        # fill whole tiles and splits): exp(-inf - -inf) would be NaN, exp(-inf - 0) is 0.
-        base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - base) + tl.sum(tl.exp(y - base[:, None]), axis=1)
-        m = m_new
+        m, rest = add_tile(y, m, rest)
         if NEED_SUM:
             y_sum += tl.sum(tl.where(col_mask[None, :], y, 0.0), axis=1)
         if NEED_RANKS:  # one head only: entries j != t above the target logit (masked cols are -inf)
@@ -85,8 +80,8 @@ def _forward_kernel(
 
     out = rows * NUM_HEADS + head
     partial = split * N * NUM_HEADS + out  # [splits, N, H] partials
-    tl.store(Top + partial, m, mask=row_mask)  # apart, not as m + log(s): see mixture.py
-    tl.store(LogSum + partial, tl.log(s), mask=row_mask)
+    tl.store(Top + partial, m, mask=row_mask)  # apart, not as m + log(1 + rest): see mixture.py
+    tl.store(Rest + partial, rest, mask=row_mask)
     if NEED_SUM:
         tl.store(LogitSum + partial, y_sum, mask=row_mask)
     if NEED_RANKS:
@@ -118,7 +113,7 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     splits = triton.cdiv(v, per_split)  # no empty split: each holds at least one column
     f32 = {"dtype": torch.float32, "device": x.device}
     top = torch.empty(splits, n, num_heads, **f32)
-    log_sum = torch.empty(splits, n, num_heads, **f32)
+    rest = torch.empty(splits, n, num_heads, **f32)
     target = torch.empty(n, num_heads, **f32)
     logit_sum = torch.empty(splits, n, num_heads, **f32) if need_logit_sum else top  # dummy when unused
     same_pass_ranks = need_ranks and num_heads == 1
@@ -132,11 +127,11 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
         float(softcap) if softcap is not None else 1.0, **flags,
     )
     _forward_kernel[(n_blocks, splits, num_heads)](
-        x, w, bias if bias is not None else x, u, lb, labels, top, log_sum, target, logit_sum, ranks,
+        x, w, bias if bias is not None else x, u, lb, labels, top, rest, target, logit_sum, ranks,
         n, v, per_split, dh, rank, x.stride(0), w.stride(0), stride_u, stride_lb,
         float(softcap) if softcap is not None else 1.0, NEED_SUM=need_logit_sum, NEED_RANKS=same_pass_ranks, **flags,
     )
-    top, log_sum = combine_splits(top, log_sum)
+    top, log_sum = combine_splits(top, rest)
     logit_sum = (logit_sum[0] if splits == 1 else logit_sum.sum(0)) if need_logit_sum else None
     if same_pass_ranks:
         ranks = ranks[0] if splits == 1 else ranks.sum(0)
@@ -145,10 +140,16 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     return SweepStats(top, log_sum, target, logit_sum, ranks if need_ranks else None)
 
 
-def combine_splits(top, log_sum):
-    """(max, log sum exp(y - max)) [N, H] over the whole vocabulary from those of its splits [S, N, H]."""
+def combine_splits(top, rest):
+    """(max, log sum exp(y - max)) [N, H] over the whole vocabulary from its splits' maxima and rests
+    [S, N, H] (rest = sum exp(y - max) - 1 of a split, -1 where all its entries are -inf).
+
+    The sum keeps its 1 out, as the kernel does: the split holding the maximum gives its rest, every
+    other split its whole sum rescaled, exp(top_s - max) (1 + rest_s); log1p of the total."""
     if top.shape[0] == 1:
-        return top[0], log_sum[0]
-    whole = top.amax(dim=0)
+        return top[0], torch.log1p(rest[0])
+    whole, first = top.max(dim=0, keepdim=True)
     base = torch.where(whole == float("-inf"), 0.0, whole)  # every split masked: their -inf add 0, not NaN
-    return whole, torch.logsumexp(top - base + log_sum, dim=0)
+    others = torch.exp(top - base) * (1.0 + rest)
+    others.scatter_(0, first, 0.0)
+    return whole[0], torch.log1p(rest.gather(0, first)[0] + others.sum(0))

@@ -10,7 +10,8 @@ under gradient accumulation or a loss scaler (exact too), one more rounding othe
 Per chunk of tokens (all heads, the whole vocabulary), within ``HF_MHCE_WORKSPACE_MB``:
 - float32 logits z_h = X_h W_h^T (+ U_h B^T) from matmuls (cuBLAS on a GPU) into a slab [H, rows, V]
   (rows padded to 8 entries, as cuBLAS's fast kernels need);
-- ``_row_stats_kernel``: bias and softcap, then logsumexp, target logit and logit sum of each row;
+- ``_row_stats_kernel``: bias and softcap, then logsumexp (max and the rest of the sum, as the tiles keep
+  them: ``triton_tile.add_tile``), target logit and logit sum of each row;
 - ``mixture.grad_coefficients``, then ``_dlogits_in_place_kernel``: dY in the input dtype, written over
   the front of its own row of the slab (one program per row: every 16-bit store lands on bytes that the
   row's earlier blocks already read, and a barrier orders the warps);
@@ -51,7 +52,7 @@ def _logits_block(z_row, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, HAS_SOF
 
 @triton.jit
 def _row_stats_kernel(
-    Z, B, Labels, Top, LogSum, Target, LogitSum, Ranks, n0, V, stride_head, stride_row, softcap,
+    Z, B, Labels, Top, Rest, Target, LogitSum, Ranks, n0, V, stride_head, stride_row, softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM: tl.constexpr,
     NEED_RANKS: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -67,9 +68,10 @@ def _row_stats_kernel(
     if HAS_SOFTCAP:
         t = softcap_fn(t, softcap)
     rank = tl.zeros([BLOCK_V], dtype=tl.int64)
-    # Per lane running max and sum (no reduction inside the loop), combined at the end.
+    # Per lane running max and rest = sum exp(y - max) - 1 (no reduction inside the loop), combined at the
+    # end.  The sum keeps its maximum's 1 out (-1: an empty sum), as triton_tile.add_tile explains.
     m = tl.full([BLOCK_V], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_V], dtype=tl.float32)
+    rest = tl.full([BLOCK_V], -1.0, dtype=tl.float32)
     y_sum = tl.zeros([BLOCK_V], dtype=tl.float32)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
@@ -80,16 +82,20 @@ def _row_stats_kernel(
         y = tl.where(mask, y, float("-inf"))
         m_new = tl.maximum(m, y)
         base = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far (masked vocabulary): adds 0
-        s = s * tl.exp(m - base) + tl.exp(y - base)
+        scale = tl.exp(m - base)
+        rest = tl.where(y > m, scale + rest * scale, rest + tl.exp(y - base))  # a new maximum: its 1 implicit
         m = m_new
         if NEED_RANKS:  # one head: entries j != t above the target (masked columns are -inf)
             rank += ((y > t) & (cols != label)).to(tl.int64)
     top = tl.max(m, axis=0)
     top_base = tl.where(top == float("-inf"), 0.0, top)
-    log_sum = tl.log(tl.sum(s * tl.exp(m - top_base), axis=0))
+    # the lane holding the maximum gives its rest, every other lane its whole sum rescaled
+    first = tl.argmax(m, axis=0)
+    lanes = tl.arange(0, BLOCK_V)
+    row_rest = tl.sum(tl.where(lanes == first, rest, tl.exp(m - top_base) * (1.0 + rest)), axis=0)
     out = (n0 + row) * NUM_HEADS + head
     tl.store(Top + out, top)  # the logsumexp's two parts, apart: see mixture.py
-    tl.store(LogSum + out, log_sum)
+    tl.store(Rest + out, row_rest)  # log1p on the host
     tl.store(Target + out, tl.where(label >= 0, t, 0.0))
     if NEED_SUM:
         tl.store(LogitSum + out, tl.sum(y_sum, axis=0))
@@ -259,6 +265,7 @@ def _slab_sweep(x, w, bias, labels, num_heads, softcap, low_rank, rows, temp, st
             stats.logit_sum if stats.logit_sum is not None else top,
             stats.ranks if stats.ranks is not None else labels, n0, v, z.stride(0), z.stride(1), cap,
             NEED_SUM=stats.logit_sum is not None, NEED_RANKS=stats.ranks is not None, **flags)
+        stats.log_sum[n0:n1].log1p_()  # the kernel wrote the rest of the sum, sum - 1
         yield n0, n1, z
 
 

@@ -157,6 +157,28 @@ def softcap_fn(z, softcap):
 
 
 @triton.jit
+def add_tile(y, m, rest):
+    """(m, rest) [BLOCK_N] after the logits tile y [BLOCK_N, BLOCK_V]: the running maximum m and rest =
+    sum exp(y - m) - 1, the sum without the maximum's own 1 (-1 for an empty sum).
+
+    A sum holding that 1 rounds each later tile's share of 1 - p_t to an ulp of 1: all of a confident
+    token's loss at a large vocabulary (NOTES change 13).  Where the tile holds a new maximum, one entry
+    equal to it becomes the implicit 1 (further ties add theirs) and the old sum 1 + rest is rescaled.
+    The base is 0 while every entry so far is -inf (a masked vocabulary, e.g. a -inf bias, can fill whole
+    tiles and splits): exp(-inf - -inf) would be NaN, exp(-inf - 0) is 0, and no entry equals 0 then.
+    """
+    tile_max = tl.max(y, axis=1)
+    m_new = tl.maximum(m, tile_max)
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    below = tl.sum(tl.where(y == base[:, None], 0.0, tl.exp(y - base[:, None])), axis=1)  # NaN stays in
+    # entries at the maximum, counted in int32 (a float32 count took 44 more spill bytes on Hopper's tiles)
+    ties = tl.sum((y >= base[:, None]).to(tl.int32), axis=1).to(tl.float32)
+    scale = tl.exp(m - base)
+    carried = tl.where(tile_max > m, scale + rest * scale + (ties - 1.0), rest + ties)
+    return m_new, carried + below
+
+
+@triton.jit
 def logits_tile(
     X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, u_col0, R,
     stride_x, stride_w, stride_u, stride_lb, softcap,

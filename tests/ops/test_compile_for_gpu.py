@@ -55,9 +55,11 @@ def test_compiled_here_as_the_h100_compiled_it(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(next(tmp_path.glob("compile-vs-device-*.json")).read_text())
     assert [r["spills_agree"] for r in got] == [True, True], got
-    # 247 on the device; the forward kernel has since stored its maximum and log-sum apart (one more
-    # store): compiled here, 246 with Triton 3.6 (the device's), 248 with 3.9
-    assert abs(got[0]["registers"] - 247) <= 2, got
+    # 247 on the device; compiled here, that kernel with its maximum and log-sum stored apart (one more store)
+    # took 246 with Triton 3.6 (the device's) and 248 with 3.9.  Since the tiles keep the rest of the sum apart
+    # from the maximum's 1 (NOTES change 13: a tie count and a select per entry) 255 with 3.9, still without
+    # spills; the device's count for this kernel is owed (benchmarks/device_run.sh tune)
+    assert 245 <= got[0]["registers"] <= 255, got
     bad = subprocess.run([sys.executable, script, str(tmp_path / "missing.json"), "--out", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "cannot read the sweep record" in bad.stderr, bad.stderr[-2000:]
