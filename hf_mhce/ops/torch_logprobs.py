@@ -5,7 +5,8 @@ log p_h = (y - max_h) - log sum_j exp(y_hj - max_h), not y - lse_h: the top entr
 confident head is then exact to its own size (lse rounded to one float32 is off by half an ulp of
 |lse|, the whole of log p = -1e-5; see ``mixture``), at any vocabulary size (``_lse_sweep``).  The mixture
 of several heads is a logsumexp over them per entry, whose sum ~ H rounds to an ulp of H as eager's does:
-a top entry's log pbar ~ -1e-5 keeps eager float32's accuracy there, not float32's precision.
+a top entry's log pbar ~ -1e-5 keeps eager float32's accuracy there, not float32's precision.  The backward
+of one head forms the top entry's gradient without cancelling (``_confident_top_column``).
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpba
         return xc, lr, slope, logp, gr.mul_(grad[None, n0:n1, v0:v1])
 
     s = torch.zeros(pb.h, pb.n, dtype=pb.cdt, device=x.device)
+    top_column = None
     if num_heads == 1:
         s[0] = grad.sum(-1)
+        top_column = _confident_top_column(pb, logpbar, log_sum[:, 0], grad)
     else:
         for v0, v1 in _blocks(pb.v, pb.cols):
             wc = pb.weight_chunk(v0, v1)
@@ -76,8 +79,42 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpba
         for n0, n1 in _blocks(pb.n, pb.rows):
             xc, lr, slope, logp, gr = block_terms(wc, v0, v1, n0, n1)
             dz = gr.sub_(logp.exp_().mul_(s[:, n0:n1, None]))
+            if top_column is not None:
+                rows, cols, values = top_column
+                hit, at = _columns_in_rows(rows, cols, n0, n1, v0, v1)
+                dz[0, rows[hit] - n0, at] = values[hit]
             if slope is not None:
                 dz *= slope
             grads.add(dz, xc, wc, lr, n0, n1)
         grads.end_chunk()
     return grads.result()
+
+
+def _confident_top_column(pb, logpbar, log_sum, grad):
+    """One head: (rows, columns, dz) of the top entry of each row whose p_top > 1/2, or None if no row's.
+
+    dz_top = g_top - p_top S with S = sum_k g_k cancels where p_top ~ 1 (to an ulp of g_top, as eager's
+    log_softmax backward: the whole of g_top (1 - p_top) for 1 - p_top ~ 1e-5).  Written apart as
+    g_top (1 - p_top) - p_top S', with 1 - p_top = -expm1(-log_sum) and S' the sum without the top entry,
+    summed over copies of blocks of grad with that entry zeroed (at most a logits block at a time).
+    Only the top entry can have p > 1/2; a tie for the top has p <= 1/2."""
+    rows = (log_sum < math.log(2.0)).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return None
+    cols = logpbar[rows].argmax(dim=-1)
+    g_top = grad[rows, cols]
+    others = torch.zeros_like(g_top)
+    for r0, r1 in _blocks(rows.numel(), pb.rows):
+        for v0, v1 in _blocks(pb.v, pb.cols):
+            part = grad[rows[r0:r1], v0:v1]  # a copy
+            hit = ((cols[r0:r1] >= v0) & (cols[r0:r1] < v1)).nonzero().squeeze(1)
+            part[hit, cols[r0:r1][hit] - v0] = 0.0
+            others[r0:r1] += part.sum(-1)
+    ls = log_sum[rows]
+    return rows, cols, g_top * torch.expm1(-ls).neg() - torch.exp(-ls) * others
+
+
+def _columns_in_rows(rows, cols, n0, n1, v0, v1):
+    """Which of the (rows, cols) pairs fall in the block n0:n1 x v0:v1 (a mask), and their columns there."""
+    hit = (rows >= n0) & (rows < n1) & (cols >= v0) & (cols < v1)
+    return hit, cols[hit] - v0

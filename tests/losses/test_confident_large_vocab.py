@@ -117,3 +117,41 @@ def test_logprobs_top_entry(chunk_mb, monkeypatch):
     ours = hf_mhce.multi_head_logprobs(x, w, 1).cpu()[torch.arange(N), labels]
     ref = torch.log_softmax(z.double()[:, 0], -1)[torch.arange(N), labels]
     assert _relative(ours, ref) <= TOL, _relative(ours, ref)
+
+
+@pytest.mark.parametrize("upstream", ["onehot_top", "random"])
+@pytest.mark.parametrize("chunk_mb", ["0.02", "64"])
+def test_logprobs_top_gradient(upstream, chunk_mb, monkeypatch):
+    """The gradient of sum(G * multi_head_logprobs) (one head) at each token's top entry: g_top (1 - p_top) -
+    p_top S' formed without cancelling (eager's log_softmax backward, g_top - p_top S, keeps an ulp of g_top).
+    G one-hot at the top entry (the log-probability of a sampled, confident token) or random."""
+    monkeypatch.setenv("HF_MHCE_CHUNK_MB", chunk_mb)
+    z, labels = _confident_logits(1, 7)
+    g = torch.Generator().manual_seed(8)
+    grad_out = torch.randn(N, V, generator=g, dtype=F64) * (1e-4 if upstream == "random" else 0.0)
+    grad_out[torch.arange(N), labels] = 1 + torch.rand(N, generator=g, dtype=F64)
+    z64 = z.double()[:, 0].requires_grad_(True)
+    (torch.log_softmax(z64, -1) * grad_out).sum().backward()
+    ref = z64.grad[torch.arange(N), labels]
+    x, w = (t.to(DEVICE) for t in _operands(z))
+    w.requires_grad_(True)
+    (hf_mhce.multi_head_logprobs(x, w, 1) * grad_out.float().to(DEVICE)).sum().backward()
+    ours = w.grad.cpu()[labels, torch.arange(N)]  # dL/dz_t = dL/dW[t, n] (x one-hot)
+    assert ref.abs().min() > 1e-8, ref
+    err = _relative(ours, ref)
+    print(f"logprobs top gradient {upstream}: {err:.1e}")
+    assert err <= TOL, err
+
+
+def test_logprobs_top_gradient_beyond_float64():
+    """1 - p_top ~ 1e-25: the top entry's gradient under a one-hot upstream is g (1 - p_top) = -(the others' sum),
+    which float64 autograd itself rounds to 0 (its p_top is 1); ours keeps it to float32's precision."""
+    z = torch.tensor([[0.0, -58.0, -60.0, -61.5]])
+    x, w = torch.eye(1).to(DEVICE), z.T.contiguous().to(DEVICE).requires_grad_(True)
+    grad_out = torch.zeros(1, 4)
+    grad_out[0, 0] = 1.5
+    (hf_mhce.multi_head_logprobs(x, w, 1) * grad_out.to(DEVICE)).sum().backward()
+    ours = w.grad.cpu()[:, 0].double()
+    others = -1.5 * torch.exp(z.double()[0, 1:] - torch.logsumexp(z.double()[0], -1))  # exact in float64
+    exact = torch.cat([-others.sum()[None], others])
+    assert _relative(ours, exact) <= TOL, (ours, exact)
