@@ -101,7 +101,7 @@ def _confident_top_column(pb, logpbar, log_sum, grad):
     rows = (log_sum < math.log(2.0)).nonzero().squeeze(1)
     if rows.numel() == 0:
         return None
-    cols = logpbar[rows].argmax(dim=-1)
+    cols = logpbar.argmax(dim=-1)[rows]  # (logpbar[rows] would copy those rows whole)
     g_top = grad[rows, cols]
     others = torch.zeros_like(g_top)
     for r0, r1 in _blocks(rows.numel(), pb.rows):
