@@ -121,25 +121,27 @@ def test_logprobs_top_entry(chunk_mb, monkeypatch):
 
 @pytest.mark.parametrize("upstream", ["onehot_top", "random"])
 @pytest.mark.parametrize("chunk_mb", ["0.02", "64"])
-def test_logprobs_top_gradient(upstream, chunk_mb, monkeypatch):
-    """The gradient of sum(G * multi_head_logprobs) (one head) at each token's top entry: g_top (1 - p_top) -
-    p_top S' formed without cancelling (eager's log_softmax backward, g_top - p_top S, keeps an ulp of g_top).
+@pytest.mark.parametrize("heads,seed", [(1, 7), (2, 9), (3, 10)])
+def test_logprobs_top_gradient(heads, seed, upstream, chunk_mb, monkeypatch):
+    """The gradient of sum(G * multi_head_logprobs) at each head's top entry: g_top r_top (1 - p_top) - p_top S'
+    formed without cancelling (eager's log_softmax backward, g_top - p_top S, keeps an ulp of g_top).
     G one-hot at the top entry (the log-probability of a sampled, confident token) or random."""
     monkeypatch.setenv("HF_MHCE_CHUNK_MB", chunk_mb)
-    z, labels = _confident_logits(1, 7)
-    g = torch.Generator().manual_seed(8)
+    z, labels = _confident_logits(heads, seed)
+    g = torch.Generator().manual_seed(seed + 100)
     grad_out = torch.randn(N, V, generator=g, dtype=F64) * (1e-4 if upstream == "random" else 0.0)
     grad_out[torch.arange(N), labels] = 1 + torch.rand(N, generator=g, dtype=F64)
-    z64 = z.double()[:, 0].requires_grad_(True)
-    (torch.log_softmax(z64, -1) * grad_out).sum().backward()
-    ref = z64.grad[torch.arange(N), labels]
+    z64 = z.double().requires_grad_(True)
+    mix = torch.logsumexp(torch.log_softmax(z64, -1), 1) - math.log(heads)
+    (mix * grad_out).sum().backward()
+    ref = z64.grad[torch.arange(N), :, labels]  # [N, H]
     x, w = (t.to(DEVICE) for t in _operands(z))
     w.requires_grad_(True)
-    (hf_mhce.multi_head_logprobs(x, w, 1) * grad_out.float().to(DEVICE)).sum().backward()
-    ours = w.grad.cpu()[labels, torch.arange(N)]  # dL/dz_t = dL/dW[t, n] (x one-hot)
-    assert ref.abs().min() > 1e-8, ref
+    (hf_mhce.multi_head_logprobs(x, w, heads) * grad_out.float().to(DEVICE)).sum().backward()
+    ours = w.grad.cpu().view(V, heads, N).permute(2, 1, 0)[torch.arange(N), :, labels]
+    assert ref.abs().min() > 1e-9, ref
     err = _relative(ours, ref)
-    print(f"logprobs top gradient {upstream}: {err:.1e}")
+    print(f"logprobs top gradient H={heads} {upstream}: {err:.1e}")
     assert err <= TOL, err
 
 

@@ -64,8 +64,9 @@ def test_block_temporaries_do_not_grow_with_blocks(monkeypatch, heads, softcap, 
         monkeypatch.setenv("HF_MHCE_CHUNK_MB", str(mb))
         counts[mb] = [_allocations(step, threshold) for step in (train_step, eval_with_ranks, logprobs_step)]
     # outputs and per-sweep buffers only: a handful, not more with several times more blocks (a few
-    # buffers of the larger blocks pass the threshold that the smaller ones stay under)
-    assert all(many <= few <= 14 for many, few in zip(counts[0.1], counts[0.4])), counts
+    # buffers of the larger blocks pass the threshold that the smaller ones stay under).  15: the logprobs
+    # backward of several heads with a softcap, since it marks each head's top entry (NOTES change 15)
+    assert all(many <= few <= 15 for many, few in zip(counts[0.1], counts[0.4])), counts
 
 
 
