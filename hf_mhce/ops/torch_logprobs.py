@@ -6,8 +6,8 @@ confident head is then exact to its own size (lse rounded to one float32 is off 
 |lse|, the whole of log p = -1e-5; see ``mixture``), at any vocabulary size (``_lse_sweep``).  The mixture
 of several heads is a logsumexp over them per entry, whose sum ~ H rounds to an ulp of H as eager's does:
 a top entry's log pbar ~ -1e-5 keeps eager float32's accuracy there, not float32's precision.  The backward
-forms each head's top entry's gradient without cancelling where p_top > 1/2 (one head:
-``_confident_top_column``; several: S' summed beside S, the entry found by ``_at_top``).
+forms each head's top entry's gradient without cancelling where p_top > 1/2 (S' summed beside S,
+the entry found by ``_at_top``).
 """
 
 from __future__ import annotations
@@ -62,23 +62,23 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpba
             gr.masked_fill_(torch.isneginf(lpbar), 1.0 / num_heads)
         return xc, lr, slope, logp, gr.mul_(grad[None, n0:n1, v0:v1])
 
+    # S_h, and S'_h: the sum without each head's top entry (see _at_top), for that entry's dz
     s = torch.zeros(pb.h, pb.n, dtype=pb.cdt, device=x.device)
-    top_column = top_value = None
+    s_below = torch.zeros_like(s)
     ls_t = log_sum.T  # [H, N]
-    if num_heads == 1:
-        s[0] = grad.sum(-1)
-        top_column = _confident_top_column(pb, logpbar, log_sum[:, 0], grad)
-    else:  # S_h, and S'_h: the sum without each head's top entry (see _at_top)
-        s_below = torch.zeros_like(s)
-        for v0, v1 in _blocks(pb.v, pb.cols):
-            wc = pb.weight_chunk(v0, v1)
-            for n0, n1 in _blocks(pb.n, pb.rows):
+    for v0, v1 in _blocks(pb.v, pb.cols):
+        wc = pb.weight_chunk(v0, v1) if num_heads > 1 else None
+        for n0, n1 in _blocks(pb.n, pb.rows):
+            if num_heads == 1:  # gr = grad (r = 1) and log p = log pbar: no logits needed
+                logp = logpbar[None, n0:n1, v0:v1]
+                gr = pb.scratch("gr", *logp.shape).copy_(grad[None, n0:n1, v0:v1])
+            else:
                 _, _, _, logp, gr = block_terms(wc, v0, v1, n0, n1)
-                s[:, n0:n1] += gr.sum(-1)
-                s_below[:, n0:n1] += gr.masked_fill_(_at_top(pb, logp, ls_t[:, n0:n1]), 0.0).sum(-1)
-        # the top entry's dz where p_top > 1/2: g_top (1 - p_top) - p_top S' (g_top = S - S', to its own precision)
-        confident = ls_t < math.log(2.0)
-        top_value = (s - s_below) * torch.expm1(-ls_t).neg() - torch.exp(-ls_t) * s_below
+            s[:, n0:n1] += gr.sum(-1)
+            s_below[:, n0:n1] += gr.masked_fill_(_at_top(pb, logp, ls_t[:, n0:n1]), 0.0).sum(-1)
+    # where p_top > 1/2: g_top (1 - p_top) - p_top S' (g_top = S - S', to its own precision)
+    confident = ls_t < math.log(2.0)
+    top_value = (s - s_below) * torch.expm1(-ls_t).neg() - torch.exp(-ls_t) * s_below
 
     grads = _Grads(pb, needs)
     for v0, v1 in _blocks(pb.v, pb.cols):
@@ -86,15 +86,10 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpba
         grads.start_chunk(v0, v1)
         for n0, n1 in _blocks(pb.n, pb.rows):
             xc, lr, slope, logp, gr = block_terms(wc, v0, v1, n0, n1)
-            if top_value is not None:  # before the in-place exp: each confident head's top entry
-                at_top = _at_top(pb, logp, ls_t[:, n0:n1]).logical_and_(confident[:, n0:n1, None])
+            # before the in-place exp: each confident head's top entry
+            at_top = _at_top(pb, logp, ls_t[:, n0:n1]).logical_and_(confident[:, n0:n1, None])
             dz = gr.sub_(logp.exp_().mul_(s[:, n0:n1, None]))
-            if top_column is not None:
-                rows, cols, values = top_column
-                hit, at = _columns_in_rows(rows, cols, n0, n1, v0, v1)
-                dz[0, rows[hit] - n0, at] = values[hit]
-            if top_value is not None:
-                dz = torch.where(at_top, top_value[:, n0:n1, None], dz, out=dz)
+            dz = torch.where(at_top, top_value[:, n0:n1, None], dz, out=dz)
             if slope is not None:
                 dz *= slope
             grads.add(dz, xc, wc, lr, n0, n1)
@@ -102,38 +97,8 @@ def mixture_logprobs_backward(x, w, bias, num_heads, softcap, head_stats, logpba
     return grads.result()
 
 
-def _confident_top_column(pb, logpbar, log_sum, grad):
-    """One head: (rows, columns, dz) of the top entry of each row whose p_top > 1/2, or None if no row's.
-
-    dz_top = g_top - p_top S with S = sum_k g_k cancels where p_top ~ 1 (to an ulp of g_top, as eager's
-    log_softmax backward: the whole of g_top (1 - p_top) for 1 - p_top ~ 1e-5).  Written apart as
-    g_top (1 - p_top) - p_top S', with 1 - p_top = -expm1(-log_sum) and S' the sum without the top entry,
-    summed over copies of blocks of grad with that entry zeroed (at most a logits block at a time).
-    Only the top entry can have p > 1/2; a tie for the top has p <= 1/2."""
-    rows = (log_sum < math.log(2.0)).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return None
-    cols = logpbar.argmax(dim=-1)[rows]  # (logpbar[rows] would copy those rows whole)
-    g_top = grad[rows, cols]
-    others = torch.zeros_like(g_top)
-    for r0, r1 in _blocks(rows.numel(), pb.rows):
-        for v0, v1 in _blocks(pb.v, pb.cols):
-            part = grad[rows[r0:r1], v0:v1]  # a copy
-            hit = ((cols[r0:r1] >= v0) & (cols[r0:r1] < v1)).nonzero().squeeze(1)
-            part[hit, cols[r0:r1][hit] - v0] = 0.0
-            others[r0:r1] += part.sum(-1)
-    ls = log_sum[rows]
-    return rows, cols, g_top * torch.expm1(-ls).neg() - torch.exp(-ls) * others
-
-
 def _at_top(pb, logp, log_sum):
     """[H, rows, cols] bools: log p == -log_sum, each head's top entry (log p = (y - top) - log_sum is
     exactly -log_sum there).  Where p_top > 1/2 no other entry can round to it (its p would be about
     p_top too); NaN and masked entries never match."""
     return torch.eq(logp, log_sum.neg()[..., None], out=pb.scratch("at_top", *logp.shape, dtype=torch.bool))
-
-
-def _columns_in_rows(rows, cols, n0, n1, v0, v1):
-    """Which of the (rows, cols) pairs fall in the block n0:n1 x v0:v1 (a mask), and their columns there."""
-    hit = (rows >= n0) & (rows < n1) & (cols >= v0) & (cols < v1)
-    return hit, cols[hit] - v0
