@@ -8,8 +8,8 @@ each recorded launch (argument types, constexprs, num_warps, and the specializat
 derives from the values: 16-byte aligned pointers, integers divisible by 16) is compiled through Triton's own
 pipeline for sm_90a and sm_80: TTIR -> PTX -> cubin with the ptxas that ships with Triton.  This
 catches what the interpreter cannot (code that only fails to compile, a tile that needs more shared
-memory than the SM has) and shows each variant's registers, spill bytes and MMA instructions (wgmma
-on Hopper), so tile candidates that spill can be ruled out before device time is spent on them.
+memory than the SM has) and shows each variant's registers, spill bytes, static SASS instruction count
+and MMA instructions (wgmma on Hopper), so tile candidates that spill can be ruled out before device time is spent on them.
 Speed is not measured here: that needs the GPU (tile_sweep.py).  Writes <out>/compile-check-<date>.json
 and .md, with non-default options in the name (records.py's rule: ``--sweep`` adds ``-sweep``).
 """
@@ -65,18 +65,25 @@ def specialize(kernel, args, kwargs, target) -> tuple[dict, dict, dict, dict]:
     return options.__dict__, sig, constexprs, attrs
 
 
-def ptxas_report(ptx: str, capability: int, arch: str) -> tuple[int, int]:
-    """(registers per thread, spill store bytes) from ``ptxas -v``."""
+def ptxas_report(ptx: str, capability: int, arch: str) -> tuple[int, int, int | None]:
+    """(registers per thread, spill store bytes) from ``ptxas -v``, and the cubin's static SASS instruction
+    count from the ``cuobjdump`` beside that ptxas (None without one): per-entry work a change adds or
+    removes shows there, where registers saturate at 255."""
     from triton.backends.nvidia.compiler import get_ptxas
 
+    ptxas = get_ptxas(capability).path
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        log = subprocess.run([get_ptxas(capability).path, "-v", f"--gpu-name={arch}", src, "-o", src + ".o"],
+        log = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", src, "-o", src + ".o"],
                              capture_output=True, text=True, check=True).stderr
+        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        sass = subprocess.run([cuobjdump, "-sass", src + ".o"], capture_output=True, text=True,
+                              check=True).stdout if os.path.exists(cuobjdump) else None
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    return registers, sum(int(b) for b in re.findall(r"(\d+) bytes spill stores", log))
+    instructions = None if sass is None else len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))
+    return registers, sum(int(b) for b in re.findall(r"(\d+) bytes spill stores", log)), instructions
 
 
 def compile_launch(kernel, args, kwargs, arch: str) -> dict:
@@ -85,9 +92,10 @@ def compile_launch(kernel, args, kwargs, arch: str) -> dict:
     options, sig, constexprs, attrs = specialize(kernel, args, kwargs, target)
     compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options)
     ptx = compiled.asm["ptx"]
-    registers, spills = ptxas_report(ptx, capability, arch)
+    registers, spills, instructions = ptxas_report(ptx, capability, arch)
     return {"arch": arch, "shared_bytes": compiled.metadata.shared, "shared_fits": compiled.metadata.shared <= smem_limit,
-            "registers": registers, "spill_bytes": spills, "num_warps": compiled.metadata.num_warps,
+            "registers": registers, "spill_bytes": spills, "sass_instructions": instructions,
+            "num_warps": compiled.metadata.num_warps,
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "divisible_args": sum(["tt.divisibility", 16] in a for a in attrs.values()),
             "pointer_args": sum(t.startswith("*") for t in sig.values())}
@@ -95,6 +103,7 @@ def compile_launch(kernel, args, kwargs, arch: str) -> dict:
 
 VARIANTS = {  # name: (dtype, heads, bias, softcap, low_rank, ranks[, tokens, hidden, vocabulary])
     "ce bf16 + ranks": (torch.bfloat16, 1, False, None, False, True),
+    "ce bf16": (torch.bfloat16, 1, False, None, False, False),  # the same without ranks: what ranks add
     "mhce4 bf16, bias, softcap, LoRA, ranks": (torch.bfloat16, 4, True, 30.0, True, True),
     "ce fp16": (torch.float16, 1, False, None, False, False),
     "ce fp32": (torch.float32, 1, False, None, False, False),
@@ -189,7 +198,8 @@ def main(argv=None):
                      check({variant: VARIANTS[variant]}, archs, {kernel: tile}, KERNEL_NAMES[kernel])]
     keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"# Triton kernels compiled for {', '.join(args.arch)} without a GPU ({stamp}, triton {triton.__version__})",
-             "", "Registers and spill bytes from ptxas -v; shared memory from Triton's metadata. No timings.", "",
+             "", "Registers and spill bytes from ptxas -v, static SASS instructions from cuobjdump -sass; shared memory "
+             "from Triton's metadata. No timings.", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
     record.write(rows, "\n".join(lines))

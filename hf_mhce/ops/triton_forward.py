@@ -61,7 +61,7 @@ def _forward_kernel(
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     rest = tl.full([BLOCK_N], -1.0, dtype=tl.float32)  # sum exp(y - m) - 1 (an empty sum: -1); see add_tile
     y_sum = tl.zeros([BLOCK_N], dtype=tl.float32)
-    rank = tl.zeros([BLOCK_N], dtype=tl.int64)
+    rank = tl.zeros([BLOCK_N], dtype=tl.int32)  # a split's count is below V < 2^31
     v_begin = split * V_PER_SPLIT
     v_end = tl.minimum(v_begin + V_PER_SPLIT, V)
     for v0 in range(v_begin, v_end, BLOCK_V):
@@ -75,8 +75,9 @@ def _forward_kernel(
         if NEED_SUM:
             y_sum += tl.sum(tl.where(col_mask[None, :], y, 0.0), axis=1)
         if NEED_RANKS:  # one head only: entries j != t above the target logit (masked cols are -inf)
-            above = (y > t_acc[:, None]) & (cols[None, :] != labels[:, None])
-            rank += tl.sum(above.to(tl.int64), axis=1)
+            # 32-bit: the label's offset in this tile, compared with the tile's own column numbers
+            at_label = tl.arange(0, BLOCK_V)[None, :] == (labels - v0).to(tl.int32)[:, None]
+            rank += tl.sum(((y > t_acc[:, None]) & ~at_label).to(tl.int32), axis=1)
 
     out = rows * NUM_HEADS + head
     partial = split * N * NUM_HEADS + out  # [splits, N, H] partials
