@@ -19,7 +19,8 @@ import triton.language as tl
 
 from .torch_sweep import SweepStats
 from .triton_ranks import mixture_ranks
-from .triton_tile import add_tile, dot_settings, launch_config, logits_tile, low_rank_args, target_logits_tile
+from .triton_tile import (add_tile, dot_settings, launch_config, log_sum_from_rest_, logits_tile, low_rank_args,
+                          target_logits_tile)
 
 
 @triton.jit
@@ -146,11 +147,12 @@ def combine_splits(top, rest):
     [S, N, H] (rest = sum exp(y - max) - 1 of a split, -1 where all its entries are -inf).
 
     The sum keeps its 1 out, as the kernel does: the split holding the maximum gives its rest, every
-    other split its whole sum rescaled, exp(top_s - max) (1 + rest_s); log1p of the total."""
+    other split its whole sum rescaled, exp(top_s - max) (1 + rest_s); log1p of the total
+    (``log_sum_from_rest_``: NaN where the maximum is +inf)."""
     if top.shape[0] == 1:
-        return top[0], torch.log1p(rest[0])
+        return top[0], log_sum_from_rest_(top[0], rest[0].clone())
     whole, first = top.max(dim=0, keepdim=True)
     base = torch.where(whole == float("-inf"), 0.0, whole)  # every split masked: their -inf add 0, not NaN
     others = torch.exp(top - base) * (1.0 + rest)
     others.scatter_(0, first, 0.0)
-    return whole[0], torch.log1p(rest.gather(0, first)[0] + others.sum(0))
+    return whole[0], log_sum_from_rest_(whole[0], rest.gather(0, first)[0] + others.sum(0))

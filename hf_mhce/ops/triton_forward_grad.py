@@ -31,7 +31,7 @@ from . import mixture
 from .budget import grad_in_forward, workspace_bytes
 from .torch_sweep import MIN_GEMM_SIZE, SweepStats
 from .triton_backward import _aligned, _matmul_into, _zero_ignored_nonfinite, accumulation_mode
-from .triton_tile import softcap_and_slope, softcap_fn
+from .triton_tile import log_sum_from_rest_, softcap_and_slope, softcap_fn
 
 # Below this many tokens per chunk the matmuls run thin (and the float32 dW is summed often): the
 # backward's slabs are the better use of a small workspace.
@@ -265,7 +265,7 @@ def _slab_sweep(x, w, bias, labels, num_heads, softcap, low_rank, rows, temp, st
             stats.logit_sum if stats.logit_sum is not None else top,
             stats.ranks if stats.ranks is not None else labels, n0, v, z.stride(0), z.stride(1), cap,
             NEED_SUM=stats.logit_sum is not None, NEED_RANKS=stats.ranks is not None, **flags)
-        stats.log_sum[n0:n1].log1p_()  # the kernel wrote the rest of the sum, sum - 1
+        log_sum_from_rest_(top[n0:n1], stats.log_sum[n0:n1])  # the kernel wrote the rest of the sum, sum - 1
         yield n0, n1, z
 
 

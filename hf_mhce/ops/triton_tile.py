@@ -178,6 +178,13 @@ def add_tile(y, m, rest):
     return m_new, carried + below
 
 
+def log_sum_from_rest_(top, rest):
+    """log sum exp(y - top) from rest = that sum - 1 (``add_tile``), in place: log1p(rest), and NaN where the
+    maximum is +inf, as eager's log_softmax and the torch sweep give (inf - inf).  The tiles count +inf
+    entries as ties of a finite sum, which would make a diverged row's loss look finite."""
+    return rest.log1p_().masked_fill_(top == float("inf"), float("nan"))
+
+
 @triton.jit
 def logits_tile(
     X, W, B, U, LB, rows, cols, row_mask, col_mask, col0, Dh, u_col0, R,
