@@ -131,7 +131,7 @@ def multi_head_cross_entropy(
     trains one without a widened [V, D + H*R] copy of the weight, and without computing dW when
     ``weight`` is frozen.  Same dtype and device as ``hidden``.
     """
-    checks.check_not_meta(hidden=hidden, weight=weight, bias=bias, labels=labels, low_rank=low_rank)
+    checks.check_dense_values(hidden=hidden, weight=weight, bias=bias, labels=labels, low_rank=low_rank)
     # then autocast, which admits mixed dtypes
     hidden, weight, bias, low_rank = _autocast(hidden, weight, bias, low_rank)
     checks.check_matrices(hidden, weight, bias)
@@ -197,7 +197,7 @@ def multi_head_logprobs(
     ``low_rank`` as in :func:`multi_head_cross_entropy`.  A -inf bias entry gives -inf; the gradient
     reaching it passes to the logits as log_softmax's does, shared equally between the heads.
     """
-    checks.check_not_meta(hidden=hidden, weight=weight, bias=bias, low_rank=low_rank)
+    checks.check_dense_values(hidden=hidden, weight=weight, bias=bias, low_rank=low_rank)
     hidden, weight, bias, low_rank = _autocast(hidden, weight, bias, low_rank)
     checks.check_matrices(hidden, weight, bias)
     num_heads = checks.check_heads(num_heads, weight.shape[1])

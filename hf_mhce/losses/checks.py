@@ -49,21 +49,30 @@ def check_heads(num_heads, hidden_size: int) -> int:
     return num_heads
 
 
-def check_not_meta(**tensors) -> None:
-    """Before anything reads a device: torch.autocast knows no meta device, and the ops need values."""
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: the torch backend
+
+
+def check_dense_values(**tensors) -> None:
+    """Before anything reads a device or reshapes: torch.autocast knows no meta device, the ops need values,
+    and sparse layouts have no strides to read (their errors would come from deep inside torch)."""
     for name, t in tensors.items():
         for part in (t if isinstance(t, (tuple, list)) else (t,)):
-            if isinstance(part, torch.Tensor) and part.is_meta:
+            if not isinstance(part, torch.Tensor):
+                continue
+            if part.is_meta:
                 raise ValueError(f"{name} is on the meta device (a shape without values): the loss needs "
                                  "materialised tensors (e.g. load the weights that init_empty_weights left empty)")
+            if part.layout != torch.strided:
+                raise ValueError(f"{name} has layout {part.layout}: the fused losses take dense tensors (.to_dense())")
 
 
 def check_matrices(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating point tensor, got dtype {t.dtype}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a float32, bfloat16, float16 or float64 tensor, got dtype {t.dtype}"
+                            + (" (cast an 8-bit head to bfloat16 for the loss)" if t.is_floating_point() else ""))
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D [V, D], got shape {tuple(weight.shape)}")
     if 0 in weight.shape:
