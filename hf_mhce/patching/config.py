@@ -87,16 +87,30 @@ class LossConfig:
         return {"format": CONFIG_FORMAT, **saved}
 
     @classmethod
-    def from_saved(cls, saved) -> LossConfig:
+    def from_saved(cls, saved, source: str = f"model.config.{CONFIG_KEY}") -> LossConfig:
+        """The config a record holds (``source`` names the record in errors).  Every field is read as written
+        or refused: a misspelt or missing field would otherwise train a different loss without a word."""
         if not isinstance(saved, dict) or saved.get("loss") is None:
-            raise ValueError(f"model.config.{CONFIG_KEY} is not an hf_mhce loss config: {saved!r}")
+            raise ValueError(f"{source} is not an hf_mhce loss config: {saved!r}")
         fmt = saved.get("format", CONFIG_FORMAT)
         if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt > CONFIG_FORMAT:
             # a later format may mean more than the fields read below: never drop it silently
-            raise ValueError(f"model.config.{CONFIG_KEY} has format {fmt!r}, which this hf_mhce does not read (it "
+            raise ValueError(f"{source} has format {fmt!r}, which this hf_mhce does not read (it "
                              f"reads format <= {CONFIG_FORMAT}): the model was saved by a newer hf_mhce; upgrade it")
-        known = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS)
-        return cls(**{k: v for k, v in saved.items() if k in known})
+        known = [f.name for f in dataclasses.fields(cls) if f.name not in RUNTIME_FIELDS]
+        unknown = sorted(set(saved) - set(known) - set(RUNTIME_FIELDS) - {"format"}, key=str)  # runtime: older records
+        if unknown:
+            close = {k: difflib.get_close_matches(str(k), known, 1) for k in unknown}
+            hints = "".join(f" ({k!r}: did you mean {m[0]!r}?)" for k, m in close.items() if m)
+            raise ValueError(f"{source} has unknown field(s) {unknown}{hints}; an hf_mhce loss config records "
+                             f"{['format', *known]}")
+        if saved["loss"] == "mhce" and "num_heads" not in saved:
+            raise ValueError(f"{source} records loss='mhce' without num_heads (the number of heads the model was "
+                             f"trained with)")
+        try:
+            return cls(**{k: saved[k] for k in known if k in saved})
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{source}: {err}") from err
 
 
 def write_adapter_config(directory: str, cfg: LossConfig) -> None:
@@ -111,7 +125,7 @@ def read_adapter_config(directory: str) -> dict | None:
         return None
     with open(path) as f:
         saved = json.load(f)
-    LossConfig.from_saved(saved)  # a malformed file fails here, naming itself
+    LossConfig.from_saved(saved, source=path)  # a malformed file fails here, naming itself
     return saved
 
 

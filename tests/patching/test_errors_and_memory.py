@@ -117,6 +117,26 @@ def test_config_dataclass_round_trip():
     assert LossConfig.from_saved({k: v for k, v in saved.items() if k != "format"}) == LossConfig.from_saved(saved)
 
 
+def test_recorded_config_is_read_whole_or_refused():
+    """A hand-edited model.config.hf_mhce (or hf_mhce.json): a misspelt field, loss='mhce' without num_heads or a
+    bad value is refused naming the record, as apply_patch's own arguments are; none becomes a default."""
+    saved = LossConfig(loss="mhce", num_heads=2, label_smoothing=0.1).to_saved()
+    typo = {k if k != "label_smoothing" else "label_smothing": v for k, v in saved.items()}
+    with pytest.raises(ValueError, match=r"model\.config\.hf_mhce has unknown field\(s\) \['label_smothing'\] "
+                                         r"\('label_smothing': did you mean 'label_smoothing'\?\)"):
+        LossConfig.from_saved(typo)
+    with pytest.raises(ValueError, match="records loss='mhce' without num_heads"):
+        LossConfig.from_saved({"loss": "mhce"})
+    with pytest.raises(ValueError, match=r"^/ckpt/hf_mhce\.json: label_smoothing must be in \[0, 1\], got 5\.0"):
+        LossConfig.from_saved({**saved, "label_smoothing": 5}, source="/ckpt/hf_mhce.json")
+    assert LossConfig.from_saved({"loss": "ce"}) == LossConfig()  # fields left out of a CE record: the defaults
+    model = make_model("llama")
+    model.config.hf_mhce = typo
+    with pytest.raises(ValueError, match="did you mean 'label_smoothing'"):
+        apply_patch(model)
+    assert model.config.hf_mhce == typo and not is_patched(model)  # refused before anything changed
+
+
 class _LargestOutput(TorchDispatchMode):
     """Records the largest tensor any aten op produces."""
 
