@@ -15,7 +15,8 @@ from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_confi
 from .families import FAMILIES, LogitFacts, UnsupportedModelError, check_loss_function, check_structure, model_type, unsupported
 from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, mirrored_signature, restore_attr
 from .head import UnsupportedHeadError, resolve_head
-from .methods import accelerate_autocast, adopt_trl_head, bind_forward, forward_attr, install, live_attr, reaches_patched_forward, remove
+from .methods import (accelerate_autocast, accelerate_wrapper_around_patch, adopt_trl_head, bind_forward, forward_attr,
+                      install, live_attr, reaches_patched_forward, remove, wrap_as_accelerate)
 from .methods import unwrap as _unwrap
 from .probe import foreign_forward, foreign_params, original_forward, verify
 from .sharding import full_shape
@@ -69,6 +70,7 @@ def apply_patch(model, loss: str | None = None, num_heads: int | None = None, *,
     else:
         state.config, state.facts, state.router, state.foreign = cfg, facts, router, foreign
         if live_attr(target) is None:  # replaced since (e.g. by Liger or TRL): asked again, so put it back
+            state.autocast = accelerate_wrapper_around_patch(target) or state.autocast  # prepared since: keep it
             state.attr = forward_attr(target)
             adopt_trl_head(state, target.__dict__.get("forward"))
             bind_forward(target)
@@ -128,11 +130,17 @@ def unpatch(model):
     if state is None:
         return model
     attr = live_attr(target) or state.attr  # where it sits now: accelerate hooks may have come or gone
+    prepared = accelerate_wrapper_around_patch(target) if attr == "forward" else None
     del target.__dict__[STATE_ATTR]
     original = state.original
     if getattr(original, "__func__", None) is type(target).forward:
         original = ABSENT  # the class's own forward, bound: the same as no instance attribute
-    if original is not ABSENT:
+    if attr == "forward" and original is ABSENT:
+        prepared = prepared or state.autocast  # prepared after the patch, then re-patched: its autocast
+    if prepared is not None and accelerate_autocast(original) is None:
+        # accelerate wrapped the patched forward in its autocast since: it wraps the original now
+        wrap_as_accelerate(target, getattr(original, "__func__", type(target).forward), prepared)
+    elif original is not ABSENT:
         target.__dict__[attr] = original
     elif attr == "_old_forward":  # an accelerate hook calls it: the class's forward, bound
         target.__dict__[attr] = types.MethodType(type(target).forward, target)

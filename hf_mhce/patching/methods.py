@@ -68,6 +68,27 @@ def bind_forward(model: nn.Module) -> None:
     model.__dict__[state.attr] = types.MethodType(fn, model)
 
 
+def accelerate_wrapper_around_patch(model: nn.Module):
+    """The autocast of accelerate's mixed-precision wrapper where one now holds the patched forward
+    (``Accelerator.prepare`` after apply_patch, as a Trainer with bf16=True does), else None.  A re-patch
+    or an unpatch that replaced that wrapper by a forward of its own would drop autocast for the run."""
+    forward = model.__dict__.get("forward")
+    autocast = accelerate_autocast(forward)
+    return autocast if autocast is not None and leads_to_patched(forward) else None
+
+
+def wrap_as_accelerate(model: nn.Module, forward_fn, autocast) -> None:
+    """``model.forward`` = ``forward_fn`` under ``autocast`` with float32 outputs, and ``_original_forward``,
+    as ``Accelerator.prepare_model`` leaves a model it prepared with mixed precision (a fresh autocast
+    with the same settings: see ``call_autocast``)."""
+    from accelerate.utils.operations import convert_outputs_to_fp32
+
+    fresh = torch.autocast(autocast.device, dtype=autocast.fast_dtype, enabled=autocast._enabled,
+                           cache_enabled=autocast._cache_enabled)
+    model.__dict__["_original_forward"] = types.MethodType(forward_fn, model)
+    model.__dict__["forward"] = types.MethodType(convert_outputs_to_fp32(fresh(forward_fn)), model)
+
+
 def call_autocast(state, kwargs):
     """The autocast one call of the patched forward runs under, read from the state at each call (a later
     TRL trainer may change it): a TRL fused-head call's is the one around that trainer's head alone, any

@@ -270,6 +270,35 @@ def test_accelerate_mixed_precision_wrapper_keeps_its_autocast(fresh_accelerator
     assert model.forward == wrapper
 
 
+def test_prepared_after_the_patch_keeps_its_autocast_through_repatch_and_unpatch(fresh_accelerator_state):
+    """apply_patch, then Accelerator.prepare with bf16 (a Trainer's first train or evaluate): accelerate's
+    wrapper holds the patched forward.  Calling apply_patch again (new options; README: TRL's peft_config) and
+    unpatch each replaced that wrapper by a forward without autocast: the run went on in float32."""
+    from accelerate import Accelerator
+
+    def autocast_seen(model):
+        seen = []
+        handle = model.model.layers[0].register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_enabled("cpu")))
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=labels).loss
+        handle.remove()
+        return seen == [True], loss
+
+    ids, labels = batch()
+    unpatched = Accelerator(mixed_precision="bf16", cpu=True).prepare(make_model("llama"))
+    for repatch in (False, True):
+        model = Accelerator(mixed_precision="bf16", cpu=True).prepare(hf_mhce.apply_patch(make_model("llama")))
+        assert autocast_seen(model)[0]
+        if repatch:
+            hf_mhce.apply_patch(model, z_loss=1e-4)
+            assert is_patched(model) and autocast_seen(model)[0]
+        hf_mhce.unpatch(model)
+        on, loss = autocast_seen(model)
+        assert on and not is_patched(model)
+        assert loss.dtype == torch.float32 and torch.equal(loss, autocast_seen(unpatched)[1])  # as never patched
+        assert model._original_forward.__func__ is type(model).forward  # what accelerate unwraps to
+
+
 def test_a_soft_cap_the_table_does_not_know_is_refused(monkeypatch):
     """A fresh model's logits are small, where c * tanh(z / c) is z to the probe's tolerance: the probe
     also compares them scaled to |logit| ~ 50, so a soft-capping family outside the table is refused
