@@ -58,8 +58,10 @@ def build_model(model_args, loss_args, lora_args, tokenizer, saved=None):
     if model_args.model:  # patched as it loads: no interim record a requested loss would have to override
         if adapter_to_train(model_args, lora_args):
             options["is_trainable"] = True
+        # a local checkpoint by its absolute path: an adapter records it as its base, to load from anywhere
+        source = os.path.abspath(model_args.model) if os.path.isdir(model_args.model) else model_args.model
         with remote_code_option(TRUST_REMOTE_CODE):
-            return explained(patching.from_pretrained, model_args.model, trust_remote_code=model_args.trust_remote_code,
+            return explained(patching.from_pretrained, source, trust_remote_code=model_args.trust_remote_code,
                              **options)
     else:
         config = LlamaConfig(

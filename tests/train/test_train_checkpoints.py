@@ -5,6 +5,7 @@ the command line types them, and 0 blocks means all."""
 
 import json
 import math
+import os
 
 import pytest
 from checkpoints import gpt2_checkpoint
@@ -38,16 +39,19 @@ def gpt2(tmp_path_factory):
     return gpt2_checkpoint(root / "ckpt", lines), str(text)
 
 
-def test_gpt2_eval_loss_is_its_cross_entropy_and_lora_finds_its_modules(gpt2, tmp_path):
+def test_gpt2_eval_loss_is_its_cross_entropy_and_lora_finds_its_modules(gpt2, tmp_path, monkeypatch):
     """GPT-2 has no loss_type, so the Trainer counted position 0 of every block as a target: eval_loss and
     the training loss were (T - 1) / T of the cross-entropy. The default --lora_target_modules
-    (q_proj,v_proj) does not exist in GPT-2: PEFT's per-architecture default (c_attn) is used now."""
+    (q_proj,v_proj) does not exist in GPT-2: PEFT's per-architecture default (c_attn) is used now.
+    A base given by a relative path was recorded so in the adapter, which then loaded from that folder only."""
     ckpt, text = gpt2
-    for out, extra in (("full", []), ("lora", ["--lora_r", "4"])):
-        final = _run(tmp_path / out, "--model", ckpt, "--dataset", text, "--loss", "ce", *extra)["final_eval"]
+    monkeypatch.chdir(os.path.dirname(os.path.abspath(ckpt)))
+    for out, model, extra in (("full", ckpt, []), ("lora", os.path.basename(ckpt), ["--lora_r", "4"])):
+        final = _run(tmp_path / out, "--model", model, "--dataset", text, "--loss", "ce", *extra)["final_eval"]
         assert math.isclose(final["eval_eval_loss"], final["eval_eval_rbe_cross_entropy"], rel_tol=1e-5), out
     adapter = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert adapter["target_modules"] == ["c_attn"]
+    assert adapter["base_model_name_or_path"] == os.path.abspath(ckpt)
     with pytest.raises(ValueError, match="--lora_target_modules 'no_such_proj': .*no_such_proj"):
         _run(tmp_path / "x", "--model", ckpt, "--dataset", text, "--lora_r", "4", "--lora_target_modules", "no_such_proj")
 
