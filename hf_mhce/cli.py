@@ -27,9 +27,6 @@ def _demo(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     n, v, d = args.tokens, args.vocab, args.hidden
-    bad = [h for h in args.heads if d % h]
-    if bad:
-        raise SystemExit(f"--heads {bad}: every head count must divide --hidden {d}")
     hidden = torch.randn(n, d, device=device, dtype=dtype, requires_grad=True)
     weight = (torch.randn(v, d, device=device) / math.sqrt(d)).to(dtype).requires_grad_()
     labels = torch.randint(0, v, (n,), device=device)
@@ -233,7 +230,8 @@ def _block_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-mhce", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hf-mhce", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # the usage lines as written
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="the main job: train with CE/MHCE + RBE evaluation (see hf-mhce train --help)")
     demo = sub.add_parser("demo", help="run the fused CE / MHCE ops on a random problem")
@@ -294,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         return train_cli(argv[1:])
     if argv and argv[0] == "rbe":  # train's spelling (--block_size) too: rbe's option names use "-"
         argv = [_dashed(a) for a in argv]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    bad = [h for h in getattr(args, "heads", ()) if args.hidden % h]
+    if bad:  # a usage error, as every other bad option
+        parser.error(f"--heads {bad}: every head count must divide --hidden {args.hidden}")
     return args.func(args)
 
 

@@ -20,9 +20,19 @@ def test_demo_prints_the_fused_losses(capsys):
     assert all(abs(float(v) - 1) < 1e-5 for v in sums)
 
 
-def test_demo_refuses_heads_that_do_not_divide_the_hidden_size():
-    with pytest.raises(SystemExit, match=r"--heads \[5\]: every head count must divide --hidden 24"):
+def test_demo_refuses_heads_that_do_not_divide_the_hidden_size(capsys):
+    """A usage error (exit 2, the usage line), as every other bad option; it was exit 1 without usage."""
+    with pytest.raises(SystemExit) as info:
         main(["demo", "--tokens", "8", "--vocab", "50", "--hidden", "24", "--heads", "1", "5"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("usage: hf-mhce")
+    assert "error: --heads [5]: every head count must divide --hidden 24" in err
+
+
+def test_top_level_help_keeps_its_usage_lines(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "\n    hf-mhce demo                      the fused ops on a random problem" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flag", ["--tokens", "--vocab", "--hidden", "--heads"])
