@@ -85,10 +85,12 @@ case "$STAGE" in
     step confident_large_vocab python3 benchmarks/confident_large_vocab.py --vocab 128256
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
     step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 200 --out "$RECORDS"
-    # 3. confident tokens (log p_t from the sweep's own maximum) and a saturated softcap (its derivative)
+    # 3. confident tokens (log p_t from the sweep's own maximum), a saturated softcap (its derivative) and
+    # non-finite logits (NaN, as eager)
     # on the GPU's kernels, if the image has pytest
     step accuracy_on_gpu env HF_MHCE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-      tests/losses/test_confident_tokens.py tests/losses/test_confident_large_vocab.py tests/losses/test_softcap_saturated.py
+      tests/losses/test_confident_tokens.py tests/losses/test_confident_large_vocab.py tests/losses/test_softcap_saturated.py \
+      tests/losses/test_nonfinite_logits.py
     ;;
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

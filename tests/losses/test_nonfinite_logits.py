@@ -10,6 +10,7 @@ non-finite logit keep their finite values, and -inf logits (a masked entry, or a
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from hf_mhce.ops.triton_tile import override_tiles
 from reference import HAVE_TRITON, make_inputs
 
 N, D, V = 7, 12, 37
+# HF_MHCE_TEST_DEVICE=cuda runs the fused ops on a GPU (benchmarks/device_run.sh tune); references stay on the CPU
+DEVICE = torch.device(os.environ.get("HF_MHCE_TEST_DEVICE", "cpu"))
 # (name, break(hidden, weight)): row 2 hit in head 0's slice; row 4 by NaN in the last head's slice;
 # a weight entry +inf: rows with a positive hidden entry there get a +inf logit, the others a -inf one.
 BREAKS = {
@@ -66,9 +69,11 @@ def test_loss_like_eager(heads, broken, backend, splits, in_forward, monkeypatch
     hidden, weight, labels = _inputs(heads, broken, seed=heads)
     ref, _ = _eager(hidden, weight, labels, heads)
     assert ref.isnan().any() and ref.isfinite().any(), ref  # the case holds broken and healthy rows
+    hidden, weight, labels = (t.to(DEVICE) for t in (hidden, weight, labels))
     with override_tiles("forward", SPLITS=splits) if splits else contextlib.nullcontext():
         with torch.no_grad():  # the statistics forward
-            _same(hf_mhce.multi_head_cross_entropy(hidden, weight, labels, heads, reduction="none", backend=backend), ref)
+            loss = hf_mhce.multi_head_cross_entropy(hidden, weight, labels, heads, reduction="none", backend=backend)
+            _same(loss.cpu(), ref)
         w = weight.clone().requires_grad_(True)  # training: mean loss and gradients (formed in the forward or not)
         loss = hf_mhce.multi_head_cross_entropy(hidden, w, labels, heads, backend=backend)
         assert loss.isnan(), loss
@@ -81,4 +86,4 @@ def test_loss_like_eager(heads, broken, backend, splits, in_forward, monkeypatch
 def test_logprobs_like_eager(heads, broken):
     hidden, weight, labels = _inputs(heads, broken, seed=10 + heads)
     _, ref = _eager(hidden, weight, labels, heads)
-    _same(hf_mhce.multi_head_logprobs(hidden, weight, heads), ref)
+    _same(hf_mhce.multi_head_logprobs(hidden.to(DEVICE), weight.to(DEVICE), heads).cpu(), ref)
