@@ -53,12 +53,15 @@ def _divisor(valid, reduction, num_items_in_batch, dtype):
     if num_items_in_batch is not None:
         divisor = torch.as_tensor(num_items_in_batch, device=valid.device).to(dtype).reshape(())
         value = float(divisor)  # one sync for both tests
-        given = "" if value == num_items_in_batch else f" ({num_items_in_batch!r} given, as {dtype})"
+
+        def given():  # a count that only rounds to 0 or inf in the loss's dtype: what was passed
+            return "" if value == float(num_items_in_batch) else f" ({num_items_in_batch!r} given, as {dtype})"
+
         if not 0 <= value < math.inf:  # negative, NaN or infinite (which would give a loss of 0)
-            raise ValueError(f"num_items_in_batch must be a finite count >= 0, got {value}{given}")
+            raise ValueError(f"num_items_in_batch must be a finite count >= 0, got {value}{given()}")
         if value == 0:
             if bool(valid.any()):
-                raise ValueError(f"num_items_in_batch is 0{given} but some labels are not ignored")
+                raise ValueError(f"num_items_in_batch is 0{given()} but some labels are not ignored")
             return torch.ones((), dtype=dtype, device=valid.device)  # all ignored: 0, with zero gradients
         return divisor
     if reduction == "sum":

@@ -79,14 +79,11 @@ def accelerate_wrapper_around_patch(model: nn.Module):
 
 def wrap_as_accelerate(model: nn.Module, forward_fn, autocast) -> None:
     """``model.forward`` = ``forward_fn`` under ``autocast`` with float32 outputs, and ``_original_forward``,
-    as ``Accelerator.prepare_model`` leaves a model it prepared with mixed precision (a fresh autocast
-    with the same settings: see ``call_autocast``)."""
+    as ``Accelerator.prepare_model`` leaves a model it prepared with mixed precision."""
     from accelerate.utils.operations import convert_outputs_to_fp32
 
-    fresh = torch.autocast(autocast.device, dtype=autocast.fast_dtype, enabled=autocast._enabled,
-                           cache_enabled=autocast._cache_enabled)
     model.__dict__["_original_forward"] = types.MethodType(forward_fn, model)
-    model.__dict__["forward"] = types.MethodType(convert_outputs_to_fp32(fresh(forward_fn)), model)
+    model.__dict__["forward"] = types.MethodType(convert_outputs_to_fp32(_fresh(autocast)(forward_fn)), model)
 
 
 def call_autocast(state, kwargs):
@@ -96,8 +93,11 @@ def call_autocast(state, kwargs):
     accelerate's own wrapper may already be inside would corrupt the state torch.autocast saves on it."""
     fused = state.fused_head and (kwargs.get("fused_lm_head") or kwargs.get(FUSED_REROUTE_KWARG))
     autocast = state.fused_autocast if fused else state.autocast
-    if autocast is None:
-        return contextlib.nullcontext()
+    return contextlib.nullcontext() if autocast is None else _fresh(autocast)
+
+
+def _fresh(autocast) -> torch.autocast:
+    """A torch.autocast with ``autocast``'s settings (an instance keeps the state it saves on entry)."""
     return torch.autocast(autocast.device, dtype=autocast.fast_dtype, enabled=autocast._enabled,
                           cache_enabled=autocast._cache_enabled)
 
