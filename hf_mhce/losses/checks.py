@@ -83,9 +83,12 @@ def check_matrices(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
             f"weight shape {tuple(weight.shape)} (weight is [V, D])"
         )
     if hidden.dtype != weight.dtype:
+        autocast = torch.is_autocast_enabled(hidden.device.type)
+        hint = ("torch.autocast cast the other and leaves float64 alone: cast that one" if autocast
+                else "cast one, or run under torch.autocast")
         raise TypeError(
             f"hidden and weight must have the same dtype, got hidden {hidden.dtype} and weight "
-            f"{weight.dtype} (cast one, or run under torch.autocast)"
+            f"{weight.dtype}{' under torch.autocast' if autocast else ''} ({hint})"
         )
     if hidden.device != weight.device:
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")

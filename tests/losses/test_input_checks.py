@@ -138,6 +138,10 @@ def test_float64_untouched_by_autocast(heads):
     for name, o, r in zip(["loss", "d_hidden", "d_weight", "d_bias"], ours, ref):
         torch.testing.assert_close(o, r, rtol=1e-10, atol=1e-12, msg=name)
     torch.testing.assert_close(logp, R.reference_logprobs(hidden, weight, heads, bias=b), rtol=1e-10, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            TypeError, match=r"got hidden torch.float64 and weight torch.bfloat16 under torch.autocast \(torch.autocast "
+                             r"cast the other and leaves float64 alone: cast that one\)"):
+        mhce(hidden, weight.float(), labels, heads, backend="torch")  # float32 as passed: autocast made it bf16
 
 
 @pytest.mark.parametrize("fn", ["loss", "logprobs"])
