@@ -57,13 +57,16 @@ def custom_compute_loss_warning(state) -> None:
     """Warn once when the forward, returning logits=None (labels given), is called from a Trainer
     subclass's own ``compute_loss``: code written for transformers may read ``outputs.logits`` there
     and would fail on None far from the cause.  Trainer's, TRL's and our own compute_loss use the loss
-    only.  Checked (``state.checked_compute_loss``) until a Trainer's compute_loss is seen calling: a
-    model may first run outside one."""
-    custom = None
+    only; a subclass's that calls ``super().compute_loss`` gets the outputs only with ``return_outputs=True``.
+    Checked (``state.checked_compute_loss``) until a Trainer's compute_loss is seen calling: a model may
+    first run outside one."""
+    custom, hands_outputs = None, True  # whether the compute_loss frames so far pass the outputs outwards
     for frame, _ in trainer_frames(sys._getframe(1), "compute_loss"):
         state.checked_compute_loss = True
-        if custom is None and not frame.f_globals.get("__name__", "").startswith(("transformers.", "trl.", "hf_mhce.")):
-            custom = frame
+        if not frame.f_globals.get("__name__", "").startswith(("transformers.", "trl.", "hf_mhce.")):
+            custom = frame if hands_outputs and custom is None else custom
+        else:
+            hands_outputs = hands_outputs and bool(frame.f_locals.get("return_outputs", False))
     if custom is not None:  # reported at the line of that compute_loss that called the model
         name = type(custom.f_locals["self"]).__qualname__
         warnings.warn_explicit(

@@ -228,7 +228,8 @@ def test_eval_loss_with_a_batch_without_targets(tmp_path):
 def test_custom_compute_loss_is_told_that_logits_are_none(tmp_path):
     """A Trainer subclass's compute_loss that reads outputs.logits (written for transformers) gets None
     with labels: a warning at its own line names the cause and return_logits=True (was: an AttributeError
-    on None, nothing said); Trainer's own compute_loss is silent, and return_logits=True gives HF's run."""
+    on None, nothing said); Trainer's own compute_loss is silent, so is a subclass's that hands the call to it
+    for the loss alone (it was warned too), and return_logits=True gives HF's run."""
     import warnings
 
     class LogitRegularised(Trainer):
@@ -244,10 +245,15 @@ def test_custom_compute_loss_is_told_that_logits_are_none(tmp_path):
         trainer.train()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
+    class Delegating(Trainer):  # the model called by Trainer.compute_loss, which hands back the loss alone
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
     ref = make_model("llama")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run(Trainer, apply_patch(twin(ref)), tmp_path / "plain")
+        run(Delegating, apply_patch(twin(ref)), tmp_path / "delegating")
         run(LogitRegularised, apply_patch(twin(ref)), tmp_path / "custom")
     told = [w for w in caught if "compute_loss" in str(w.message)]
     assert len(told) == 1 and "LogitRegularised.compute_loss" in str(told[0].message), [str(w.message) for w in caught]
