@@ -80,7 +80,10 @@ def write_card(model, config, save_directory: str, adapter: bool = False, name: 
     """Insert or refresh the hf_mhce section of ``<save_directory>/README.md``; returns its path."""
     path = os.path.join(save_directory, "README.md")
     section = render_section(model, config, save_directory, adapter, name)
-    existing = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    existing = ""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            existing = f.read()
     if _BLOCK.search(existing):
         text = _BLOCK.sub(lambda _: section, existing, count=1)
     else:
