@@ -86,7 +86,10 @@ def load_texts(path_or_name: str, split: str | None = None, config: str | None =
     options = {}
     if os.path.isdir(path):
         if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
-            ds = datasets.load_from_disk(path)
+            try:
+                ds = datasets.load_from_disk(path)
+            except IndexError:  # datasets reads no data file of a Dataset saved without rows
+                raise DataError(f"no rows in the saved dataset {path_or_name!r}") from None
             if isinstance(ds, datasets.DatasetDict):
                 return _pick_split(ds, split, path_or_name, split_option)
             _check_whole(path_or_name, split, "a saved Dataset", split_option)
@@ -129,6 +132,10 @@ def _load_file(name: str, path: str, split: str | None, split_option: str):
         return datasets.load_dataset(kind, data_files=path, split=_WHOLE, **(_TEXT_OPTIONS if kind == "text" else {}))
     except datasets.exceptions.DatasetGenerationError as err:  # the cause names the parse error
         raise DataError(f"could not read {name!r} as {kind}: {err.__cause__ or err}") from err
+    except ValueError as err:  # datasets' 'Instruction "train" corresponds to no data!' (a header, or [])
+        if "corresponds to no data" not in str(err):
+            raise
+        raise DataError(f"no rows in {name!r}: datasets read it as {kind} and found none") from None
 
 
 def _pick_split(ds, split: str | None, name: str, split_option: str):
@@ -209,8 +216,9 @@ def token_blocks(dataset, tokenizer, text_column: str = "text", block_size: int 
 
     A dataset that has an ``input_ids`` column is used as it is, a row per example; its
     ``attention_mask`` goes with a row only where it masks something (padding), as evaluate's
-    collator then leaves those positions out of the targets, and its ``labels`` (unshifted, -100 where
-    no target, e.g. a masked prompt) replace the ones evaluate would make from ``input_ids``.
+    collator then leaves those positions out of the targets of a row without labels; its ``labels``
+    (unshifted, -100 where no target, e.g. a masked prompt or padding) replace the ones evaluate would
+    make from ``input_ids``, and are used as given.
     """
     if block_size < 2:
         raise DataError(f"block size {block_size}: a block needs at least 2 tokens (an input and its target)")

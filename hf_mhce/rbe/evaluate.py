@@ -32,10 +32,11 @@ class RBEReport:
 
     def table(self) -> str:
         d = self.decomposition
+        perplexity = float(torch.tensor(d.cross_entropy, dtype=torch.float64).exp())  # float32's overflows at 88.7 nats
         rows = [("cross-entropy", d.cross_entropy), ("Error-Entropy", d.error_entropy),
                 ("Self-Alignment", d.self_alignment), ("Confidence", d.confidence),
-                ("perplexity", float(torch.tensor(d.cross_entropy).exp())), ("top-1 accuracy", d.top1),
-                ("top-5 accuracy", d.top5), ("mean rank", d.mean_rank)]
+                ("perplexity", perplexity), ("top-1 accuracy", d.top1), ("top-5 accuracy", d.top5),
+                ("mean rank", d.mean_rank)]
         lines = [f"{'component':<18}{'value':>14}", "-" * 32]
         lines += [f"{name:<18}{value:>14.6f}" for name, value in rows]
         lines.append(f"{'tokens':<18}{d.num_tokens:>14d}")
@@ -166,11 +167,16 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     The sum is a collective: call evaluate in every process (each with its own rows: the same rows
     given to every process are counted once per process), or pass ``all_reduce=False`` (e.g. from
     process 0 only) for the statistics of this process's rows alone.
-    device: where the batches go; default: where the model's input embedding runs.  Padding and
-    attention-masked positions get the label the model is patched to ignore (``ignore_index``), as
-    do the first real token after left padding and, in a batch without labels, the first token of
-    each sequence packed in a row (``position_ids`` 0): padding or another sequence would predict it.
+    device: where the batches go; default: where the model's input embedding runs.  Rows without
+    labels: padding and attention-masked positions get the label the model is patched to ignore
+    (``ignore_index``), as do the first real token after left padding and, in a batch without labels,
+    the first token of each sequence packed in a row (``position_ids`` 0): padding or another sequence
+    would predict it.  Labels given are used as given, as transformers does (mask their padding with
+    ``ignore_index``).
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"evaluate expects the model (an nn.Module), got {type(model).__name__} {model!r:.80}: load a "
+                        "checkpoint with hf_mhce.from_pretrained")
     loader = data if isinstance(data, DataLoader) else None
     rows = _checked_rows(data) if loader is None else None  # a bad row is named by its index in data
     world = _world_size() if all_reduce else 1
@@ -187,6 +193,8 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     # not the head's weight, which ZeRO-3 empties and accelerate's offloading leaves on the meta device
     device = torch.device(device) if device is not None else input_device(model)
     stats = RBEStats(head_vocab_size(model))
+    embeddings = unwrap(model).get_input_embeddings() if hasattr(unwrap(model), "get_input_embeddings") else None
+    vocab = getattr(embeddings, "num_embeddings", None)
     was_training = model.training
     model.eval()
     try:
@@ -206,7 +214,11 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
             for i, batch in enumerate(batches):
                 if max_batches is not None and i >= max_batches:
                     break
+                if not isinstance(batch, Mapping):
+                    raise TypeError(f"the DataLoader gave a {type(batch).__name__} batch: evaluate reads dicts with "
+                                    "input_ids (or give it the rows, or a [B, T] tensor, and it pads them itself)")
                 batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                _check_token_ids(batch.get("input_ids"), vocab, i)
                 if "labels" not in batch:  # every real token is a target; padding (attention_mask 0) is not
                     batch["labels"] = _targets(batch["input_ids"], batch.get("attention_mask"), ignore_index,
                                                batch.get("position_ids"))
@@ -219,6 +231,17 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
                           "times (num_tokens); give each process its share of the rows, or all_reduce=False", stacklevel=2)
         stats.all_reduce()
     return RBEReport(stats.decompose(), stats)
+
+
+def _check_token_ids(ids, vocab: int | None, batch: int) -> None:
+    """Ids outside the input embedding fail deep inside it (on a GPU as a device-side assert): named here."""
+    if ids is None or vocab is None or ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())  # one sync per batch, beside a whole forward
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
+        raise ValueError(f"batch {batch} holds token id {bad}, outside the model's input embedding [0, {vocab}): "
+                         "a tokenizer of another model, or padding with a negative id")
 
 
 def _world_size() -> int:

@@ -125,6 +125,15 @@ def test_dataset_paths(ckpt, tmp_path, capsys):
         (tmp_path / name).write_text(content)
         msg = refused(root / "gpt2", "--dataset", tmp_path / name, *model, capsys=capsys)
         assert f"no text in {str(tmp_path / name)!r}: the file is empty" in msg
+    for name, content in (("header.csv", "text\n"), ("none.json", "[]")):  # datasets' own "corresponds to no data"
+        (tmp_path / name).write_text(content)
+        msg = refused(root / "gpt2", "--dataset", tmp_path / name, *model, capsys=capsys)
+        assert f"no rows in {str(tmp_path / name)!r}: datasets read it as" in msg
+    import datasets
+
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(tmp_path / "saved_empty")
+    msg = refused(root / "gpt2", "--dataset", tmp_path / "saved_empty", *model, capsys=capsys)
+    assert f"no rows in the saved dataset {str(tmp_path / 'saved_empty')!r}" in msg
     (tmp_path / "weights.bin").write_bytes(b"\x00\x01\xff" * 100)
     msg = refused(root / "gpt2", "--dataset", tmp_path / "weights.bin", *model, capsys=capsys)
     assert "is neither a text file nor one of the data files" in msg and ".jsonl" in msg

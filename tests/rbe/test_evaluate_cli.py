@@ -267,6 +267,25 @@ def test_evaluate_bare_token_id_rows():
         evaluate(model, [{"text": "hello"}])
 
 
+def test_what_is_not_a_model_batches_of_dicts_or_its_token_ids_is_named():
+    """A hub id given as the model, a DataLoader of tensors (not dicts) and token ids outside the embedding
+    failed deep inside torch (AttributeError on .parameters / .items, the embedding's IndexError)."""
+    model = tiny_gpt2()
+    ids = torch.randint(0, VOCAB, (4, 9), generator=torch.Generator().manual_seed(5))
+    for wrong in ("gpt2", None):
+        with pytest.raises(TypeError, match="evaluate expects the model .* hf_mhce.from_pretrained"):
+            evaluate(wrong, ids)
+    with pytest.raises(TypeError, match="the DataLoader gave a (list|Tensor) batch: evaluate reads dicts"):
+        evaluate(model, DataLoader(torch.utils.data.TensorDataset(ids), batch_size=2))
+    for bad in (VOCAB, -2):
+        rows = ids.clone()
+        rows[3, 4] = bad
+        with pytest.raises(ValueError, match=f"batch 1 holds token id {bad}, outside the model's input embedding "
+                                             rf"\[0, {VOCAB}\)"):
+            evaluate(model, rows, batch_size=2)
+    assert model.training  # restored after the refusal
+
+
 def test_numpy_rows_and_misaligned_rows():
     """Integer numpy rows are token ids (they were refused as not "sequences of token ids"); float ones are
     refused; labels or a mask not one per input id are named by their row's index in the data (they failed

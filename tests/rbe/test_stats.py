@@ -54,6 +54,15 @@ def test_identity_with_huge_nll_does_not_underflow():
     assert math.isfinite(d.confidence) and check_identity(d)
 
 
+def test_report_table_perplexity_beyond_float32():
+    """A cross-entropy above 88.7 nats printed perplexity inf (float32's exp); float64's holds to 709."""
+    from hf_mhce.rbe.evaluate import RBEReport
+
+    s = RBEStats(10).add(torch.tensor([3, 4]), torch.tensor([90.0, 95.0], dtype=torch.float64))
+    line = next(line for line in RBEReport(s.decompose(), s).table().splitlines() if line.startswith("perplexity"))
+    assert float(line.split()[-1]) == pytest.approx(math.exp(92.5), rel=1e-6)
+
+
 def test_merge_and_state_dict_equal_single_pass():
     g = torch.Generator().manual_seed(0)
     ranks, nll = torch.randint(0, 50, (300,), generator=g), torch.rand(300, generator=g, dtype=torch.float64)
