@@ -193,8 +193,7 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     # not the head's weight, which ZeRO-3 empties and accelerate's offloading leaves on the meta device
     device = torch.device(device) if device is not None else input_device(model)
     stats = RBEStats(head_vocab_size(model))
-    embeddings = unwrap(model).get_input_embeddings() if hasattr(unwrap(model), "get_input_embeddings") else None
-    vocab = getattr(embeddings, "num_embeddings", None)
+    vocab = _input_vocab(unwrap(model))
     was_training = model.training
     model.eval()
     try:
@@ -231,6 +230,14 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
                           "times (num_tokens); give each process its share of the rows, or all_reduce=False", stacklevel=2)
         stats.all_reduce()
     return RBEReport(stats.decompose(), stats)
+
+
+def _input_vocab(model) -> int | None:
+    """The input embedding's number of rows, where the model has a plain one (None: no check)."""
+    try:
+        return getattr(model.get_input_embeddings(), "num_embeddings", None)
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def _check_token_ids(ids, vocab: int | None, batch: int) -> None:
