@@ -139,9 +139,13 @@ def as_index(value, name: str) -> int:
     """An integer of any type (int, numpy), never a bool, as an int (label values: ignore_index)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r}")
-    if not -2**63 <= int(value) < 2**63:
+    if not _fits_int64(value):
         raise ValueError(f"{name} must fit in int64, as labels do, got {value}")
     return int(value)
+
+
+def _fits_int64(value: numbers.Integral) -> bool:
+    return -2**63 <= int(value) < 2**63
 
 
 def check_options(reduction: str, label_smoothing: float, z_loss: float, softcap, num_items_in_batch,
@@ -173,7 +177,7 @@ def check_item_count(count) -> None:
                             f"tensor of shape {tuple(count.shape)}")
     elif isinstance(count, bool) or not isinstance(count, numbers.Real):
         raise TypeError(f"num_items_in_batch must be a number or a one-element tensor, got {count!r}")
-    elif isinstance(count, numbers.Integral) and not -2**63 <= int(count) < 2**63:
+    elif isinstance(count, numbers.Integral) and not _fits_int64(count):
         raise ValueError(f"num_items_in_batch must be a finite count >= 0 that fits in int64, got {count}")
 
 

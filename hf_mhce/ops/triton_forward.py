@@ -19,8 +19,8 @@ import triton.language as tl
 
 from .torch_sweep import SweepStats
 from .triton_ranks import mixture_ranks
-from .triton_tile import (add_tile, dot_settings, launch_config, log_sum_from_rest_, logits_tile, low_rank_args,
-                          target_logits_tile)
+from .triton_tile import (add_tile, at_labels, dot_settings, launch_config, log_sum_from_rest_, logits_tile,
+                          low_rank_args, target_logits_tile)
 
 
 @triton.jit
@@ -76,9 +76,7 @@ def _forward_kernel(
         if NEED_SUM:
             y_sum += tl.sum(tl.where(col_mask[None, :], y, 0.0), axis=1)
         if NEED_RANKS:  # one head only: entries j != t above the target logit (masked cols are -inf)
-            # 32-bit: the label's offset in this tile, compared with the tile's own column numbers
-            at_label = tl.arange(0, BLOCK_V)[None, :] == (labels - v0).to(tl.int32)[:, None]
-            rank += tl.sum(((y > t_acc[:, None]) & ~at_label).to(tl.int32), axis=1)
+            rank += tl.sum(((y > t_acc[:, None]) & ~at_labels(labels, v0, BLOCK_V)).to(tl.int32), axis=1)
 
     out = rows * NUM_HEADS + head
     partial = split * N * NUM_HEADS + out  # [splits, N, H] partials
@@ -150,7 +148,7 @@ def combine_splits(top, rest):
     other split its whole sum rescaled, exp(top_s - max) (1 + rest_s); log1p of the total
     (``log_sum_from_rest_``: NaN where the maximum is +inf)."""
     if top.shape[0] == 1:
-        return top[0], log_sum_from_rest_(top[0], rest[0].clone())
+        return top[0], log_sum_from_rest_(top[0], rest[0])  # in place: the kernel's buffer, used once
     whole, first = top.max(dim=0, keepdim=True)
     base = torch.where(whole == float("-inf"), 0.0, whole)  # every split masked: their -inf add 0, not NaN
     others = torch.exp(top - base) * (1.0 + rest)

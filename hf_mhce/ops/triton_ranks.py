@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args
+from .triton_tile import at_labels, dot_settings, launch_config, logits_tile, low_rank_args
 
 
 @triton.jit
@@ -39,7 +39,7 @@ def _mixture_rank_kernel(
         t_max = new_max
     t_mix = t_max + tl.log(t_sum)
 
-    rank = tl.zeros([BLOCK_N], dtype=tl.int32)  # below V < 2^31; 32-bit counts and compares (triton_forward)
+    rank = tl.zeros([BLOCK_N], dtype=tl.int32)  # below V < 2^31
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         col_mask = cols < V
@@ -55,8 +55,8 @@ def _mixture_rank_kernel(
             s = s * tl.exp(m - base) + tl.exp(lp - base)
             m = new_max
         mix = m + tl.log(s)
-        at_label = tl.arange(0, BLOCK_V)[None, :] == (labels - v0).to(tl.int32)[:, None]
-        rank += tl.sum(((mix > t_mix[:, None]) & col_mask[None, :] & ~at_label).to(tl.int32), axis=1)
+        above = (mix > t_mix[:, None]) & col_mask[None, :] & ~at_labels(labels, v0, BLOCK_V)
+        rank += tl.sum(above.to(tl.int32), axis=1)
     tl.store(Ranks + rows, rank, mask=row_mask)
 
 

@@ -178,6 +178,14 @@ def add_tile(y, m, rest):
     return m_new, carried + below
 
 
+@triton.jit
+def at_labels(labels, v0, BLOCK_V: tl.constexpr):
+    """[BLOCK_N, BLOCK_V] bools: the tile's column v0 + j is the row's label.  In 32 bits, the label's offset
+    in the tile against the tile's own column numbers (int64 columns cost two instructions and two registers
+    an entry: NOTES change 16)."""
+    return tl.arange(0, BLOCK_V)[None, :] == (labels - v0).to(tl.int32)[:, None]
+
+
 def log_sum_from_rest_(top, rest):
     """log sum exp(y - top) from rest = that sum - 1 (``add_tile``), in place: log1p(rest), and NaN where the
     maximum is +inf, as eager's log_softmax and the torch sweep give (inf - inf).  The tiles count +inf

@@ -130,13 +130,13 @@ def unpatch(model):
     if state is None:
         return model
     attr = live_attr(target) or state.attr  # where it sits now: accelerate hooks may have come or gone
-    prepared = accelerate_wrapper_around_patch(target) if attr == "forward" else None
     del target.__dict__[STATE_ATTR]
     original = state.original
     if getattr(original, "__func__", None) is type(target).forward:
         original = ABSENT  # the class's own forward, bound: the same as no instance attribute
-    if attr == "forward" and original is ABSENT:
-        prepared = prepared or state.autocast  # prepared after the patch, then re-patched: its autocast
+    prepared = None  # the autocast of an Accelerator.prepare after the patch (then re-patched: the state's)
+    if attr == "forward":
+        prepared = accelerate_wrapper_around_patch(target) or (state.autocast if original is ABSENT else None)
     if prepared is not None and accelerate_autocast(original) is None:
         # accelerate wrapped the patched forward in its autocast since: it wraps the original now
         wrap_as_accelerate(target, getattr(original, "__func__", type(target).forward), prepared)

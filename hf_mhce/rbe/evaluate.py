@@ -244,7 +244,7 @@ def _check_token_ids(ids, vocab: int | None, batch: int) -> None:
     """Ids outside the input embedding fail deep inside it (on a GPU as a device-side assert): named here."""
     if ids is None or vocab is None or ids.numel() == 0:
         return
-    low, high = int(ids.min()), int(ids.max())  # one sync per batch, beside a whole forward
+    low, high = torch.stack(torch.aminmax(ids)).tolist()  # one sync per batch, beside a whole forward
     if low < 0 or high >= vocab:
         bad = low if low < 0 else high
         raise ValueError(f"batch {batch} holds token id {bad}, outside the model's input embedding [0, {vocab}): "
