@@ -29,13 +29,13 @@ os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interprete
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from kernel_facts import resident_blocks, sass_counts  # noqa: E402
 from records import Record, add_out_options  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
-from hf_mhce.ops import triton_backward, triton_forward, triton_forward_grad  # noqa: E402
-from hf_mhce.ops.triton_tile import _HOPPER_16BIT, override_tiles  # noqa: E402
+from hf_mhce.ops.triton_tile import override_tiles  # noqa: E402  (the rest where used: older checkouts lack them)
 
 TARGETS = {"sm_90a": (90, 232448), "sm_80": (80, 166912)}  # capability, shared memory per block (bytes)
 
@@ -65,10 +65,10 @@ def specialize(kernel, args, kwargs, target) -> tuple[dict, dict, dict, dict]:
     return options.__dict__, sig, constexprs, attrs
 
 
-def ptxas_report(ptx: str, capability: int, arch: str) -> tuple[int, int, int | None]:
-    """(registers per thread, spill store bytes) from ``ptxas -v``, and the cubin's static SASS instruction
-    count from the ``cuobjdump`` beside that ptxas (None without one): per-entry work a change adds or
-    removes shows there, where registers saturate at 255."""
+def ptxas_report(ptx: str, capability: int, arch: str) -> tuple[int, int, str | None]:
+    """(registers per thread, spill store bytes) from ``ptxas -v``, and the cubin's SASS from the
+    ``cuobjdump`` beside that ptxas (None without one): per-entry work a change adds or removes shows
+    there, where registers saturate at 255."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     ptxas = get_ptxas(capability).path
@@ -82,8 +82,7 @@ def ptxas_report(ptx: str, capability: int, arch: str) -> tuple[int, int, int | 
         sass = subprocess.run([cuobjdump, "-sass", src + ".o"], capture_output=True, text=True,
                               check=True).stdout if os.path.exists(cuobjdump) else None
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    instructions = None if sass is None else len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.M))
-    return registers, sum(int(b) for b in re.findall(r"(\d+) bytes spill stores", log)), instructions
+    return registers, sum(int(b) for b in re.findall(r"(\d+) bytes spill stores", log)), sass
 
 
 def compile_launch(kernel, args, kwargs, arch: str) -> dict:
@@ -92,10 +91,11 @@ def compile_launch(kernel, args, kwargs, arch: str) -> dict:
     options, sig, constexprs, attrs = specialize(kernel, args, kwargs, target)
     compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options)
     ptx = compiled.asm["ptx"]
-    registers, spills, instructions = ptxas_report(ptx, capability, arch)
+    registers, spills, sass = ptxas_report(ptx, capability, arch)
+    blocks, limited_by = resident_blocks(registers, compiled.metadata.num_warps, compiled.metadata.shared, arch)
     return {"arch": arch, "shared_bytes": compiled.metadata.shared, "shared_fits": compiled.metadata.shared <= smem_limit,
-            "registers": registers, "spill_bytes": spills, "sass_instructions": instructions,
-            "num_warps": compiled.metadata.num_warps,
+            "registers": registers, "spill_bytes": spills, **sass_counts(sass),
+            "num_warps": compiled.metadata.num_warps, "blocks_per_sm": blocks, "limited_by": limited_by,
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
             "divisible_args": sum(["tt.divisibility", 16] in a for a in attrs.values()),
             "pointer_args": sum(t.startswith("*") for t in sig.values())}
@@ -115,6 +115,8 @@ def drive(dtype, heads, bias, softcap, low_rank, ranks, n=1024, d=512, v=2048):
     """Run the forward and backward host functions once (their launches are recorded, not run).  The
     sizes are specialized on (divisible by 16 or not) as at the benchmark's Llama-3 and Mistral shapes;
     the odd variant stands for GPT-2's V = 50257 and ragged batches."""
+    from hf_mhce.ops import triton_backward, triton_forward, triton_forward_grad
+
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(n, d, generator=g).to(dtype), torch.randn(v, d, generator=g).to(dtype)
     b = torch.randn(v, generator=g).to(dtype) if bias else None
@@ -183,6 +185,8 @@ def main(argv=None):
                    help="also compile candidate tiles (bf16 CE and H=4 ranks for sm_90a, fp32 CE for both)")
     add_out_options(p)
     args = p.parse_args(argv)
+    from hf_mhce.ops.triton_tile import _HOPPER_16BIT
+
     stamp = datetime.date.today().isoformat()
     record = Record(p, args, f"compile-check-{stamp}")
     rows = check({k: VARIANTS[k] for k in args.variants}, args.arch)
@@ -198,8 +202,9 @@ def main(argv=None):
                      check({variant: VARIANTS[variant]}, archs, {kernel: tile}, KERNEL_NAMES[kernel])]
     keys = list(dict.fromkeys(k for r in rows for k in r))
     lines = [f"# Triton kernels compiled for {', '.join(args.arch)} without a GPU ({stamp}, triton {triton.__version__})",
-             "", "Registers and spill bytes from ptxas -v, static SASS instructions from cuobjdump -sass; shared memory "
-             "from Triton's metadata. No timings.", "",
+             "", "Registers and spill bytes from ptxas -v, static SASS instructions from cuobjdump -sass (all; "
+             "the K loop's; per tile outside it); shared memory from Triton's metadata; blocks_per_sm: blocks "
+             "resident per SM from those (`kernel_facts.resident_blocks`), and the resource that limits them. No timings.", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
     record.write(rows, "\n".join(lines))

@@ -9,7 +9,15 @@ architecture through compile_check's path, at small sizes that keep the sweep's 
 by 16, and ptxas's registers and spill bytes are put beside the device's.  Registers should agree
 exactly where the Triton version is the device's; the device reports spills in another unit, so they
 are compared as zero or not.  The sweep's backward rows are left out: the kernel they timed (the atomic
-backward) has since been replaced.  Writes <out>/compile-vs-device-<date>-triton_<version>-<sweep>.json/.md.
+backward) has since been replaced.  Beside the device's time each row gets the compiled kernel's static facts
+(blocks resident per SM, SASS instructions in the K loop and once per tile: ``kernel_facts``), the issue slots
+per tile and warp they add up to, and the operand bytes the row's tiles move into shared memory,
+ceil(N / BLOCK_N) ceil(V / BLOCK_V) (BLOCK_N + BLOCK_V) D 2, with the rate the device time gives them.
+
+The kernel compiled is that of the hf_mhce on ``sys.path``: to compile the one the device ran, run this
+script with PYTHONPATH set to a checkout of the sweep's commit (``git worktree add DIR COMMIT``) and the
+device's Triton; the record names the source.  Writes
+<out>/compile-vs-device-<date>-triton_<version>-<sweep>.json/.md (``--source-tag`` adds to the name).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import datetime
 import json
 import os
+import subprocess
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
 
@@ -26,6 +35,7 @@ import triton  # noqa: E402
 from compile_check import compile_launch, record_launches  # noqa: E402
 from records import Record, add_out_options  # noqa: E402
 
+import hf_mhce  # noqa: E402
 from hf_mhce.ops import triton_forward  # noqa: E402
 from hf_mhce.ops.triton_tile import override_tiles  # noqa: E402
 
@@ -45,17 +55,35 @@ def compile_row(row: dict, arch: str, dtype=torch.bfloat16) -> dict:
         launches = record_launches(lambda: triton_forward.forward_stats(x, w, None, labels, row["heads"], None, False))
     kernel, args, kwargs = next(launch for launch in launches if launch[0].__name__ == "_forward_kernel")
     facts = compile_launch(kernel, args, kwargs, arch)
-    return {"stage": row["stage"], "settings": row["settings"], "device_ms": row.get("ms"),
+    tile = row["settings"]
+    operand_bytes = (-(-row["N"] // tile["BLOCK_N"]) * -(-row["V"] // tile["BLOCK_V"])
+                     * (tile["BLOCK_N"] + tile["BLOCK_V"]) * row["D"] * 2)
+    k_loop = facts.get("k_loop_instructions")
+    return {"stage": row["stage"], "settings": tile, "device_ms": row.get("ms"),
             "device_regs": row["regs"], "device_spills": row["spills"],
             "registers": facts["registers"], "spill_bytes": facts["spill_bytes"],
             "registers_agree": facts["registers"] == row["regs"],
-            "spills_agree": (facts["spill_bytes"] > 0) == (row["spills"] > 0)}
+            "spills_agree": (facts["spill_bytes"] > 0) == (row["spills"] > 0),
+            "blocks_per_sm": facts["blocks_per_sm"], "k_loop_instructions": k_loop,
+            "per_tile_instructions": facts.get("per_tile_instructions"),
+            "issue_per_tile": None if k_loop is None else
+            k_loop * (row["D"] // row["heads"]) // tile["BLOCK_K"] + facts["per_tile_instructions"],
+            "operand_gb": operand_bytes / 1e9,
+            "operand_tb_s": operand_bytes / 1e9 / row["ms"] if row.get("ms") else None}
+
+
+def source_of_kernels() -> str:
+    """The hf_mhce whose kernels this run compiles: its folder and, in a git checkout, the commit."""
+    folder = os.path.dirname(os.path.dirname(os.path.abspath(hf_mhce.__file__)))
+    commit = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return folder + (f" at {commit.stdout.strip()}" if commit.returncode == 0 else "")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("sweep", help="a tile_sweep.py JSON record")
     p.add_argument("--arch", default="sm_90a", choices=["sm_90a", "sm_80"], help="the sweep device's architecture")
+    p.add_argument("--source-tag", default="", help="added to the record's name (e.g. the kernels' commit)")
     add_out_options(p)
     args = p.parse_args(argv)
     try:
@@ -67,16 +95,28 @@ def main(argv=None):
         p.error(f"{args.sweep} has no forward rows with the device's registers (a tile_sweep.py record is expected)")
     stamp = datetime.date.today().isoformat()
     source = os.path.splitext(os.path.basename(args.sweep))[0]
-    record = Record(p, args, f"compile-vs-device-{stamp}-triton_{triton.__version__}-{source}", named=("sweep",))
+    tag = f"-{args.source_tag}" if args.source_tag else ""
+    record = Record(p, args, f"compile-vs-device-{stamp}-triton_{triton.__version__}-{source}{tag}",
+                    named=("sweep", "source_tag"))
     rows = [compile_row(r, args.arch) for r in sweep]
     agree = sum(r["registers_agree"] for r in rows), sum(r["spills_agree"] for r in rows)
     lines = [f"# {args.sweep}'s forward rows compiled without a GPU ({stamp}, triton {triton.__version__}, {args.arch})",
-             "", f"Registers agree in {agree[0]} of {len(rows)} rows; spills zero-or-not in {agree[1]} of {len(rows)} "
-             "(the device's spill count is in another unit than ptxas's bytes).", "",
-             "| stage | settings | device ms | device regs | device spills | regs here | spill bytes here |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['stage']} | `{r['settings']}` | {format(r['device_ms'], '.2f') if r['device_ms'] else '-'} | {r['device_regs']} | {r['device_spills']} | "
-              f"{r['registers']} | {r['spill_bytes']} |" for r in rows]
+             "", f"Kernels of {source_of_kernels()}.", "",
+             f"Registers agree in {agree[0]} of {len(rows)} rows; spills zero-or-not in {agree[1]} of {len(rows)} "
+             "(the device's spill count is in another unit than ptxas's bytes). Blocks: resident per SM; K loop and "
+             "per tile: static SASS instructions; issue / tile: K loop x D / BLOCK_K + per tile, per warp; operand GB: "
+             "what the tiles load into shared memory, and its rate at the device's time.", "",
+             "| stage | settings | device ms | device regs | device spills | regs here | spill bytes here | blocks | "
+             "K loop | per tile | issue / tile | operand GB | TB/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def number(value, spec):
+        return "-" if value is None else format(value, spec)
+    lines += [f"| {r['stage']} | `{r['settings']}` | {number(r['device_ms'], '.2f')} | {r['device_regs']} | "
+              f"{r['device_spills']} | {r['registers']} | {r['spill_bytes']} | {r['blocks_per_sm']} | "
+              f"{number(r['k_loop_instructions'], 'd')} | {number(r['per_tile_instructions'], 'd')} | "
+              f"{number(r['issue_per_tile'], 'd')} | {r['operand_gb']:.0f} | {number(r['operand_tb_s'], '.2f')} |"
+              for r in rows]
     record.write(rows, "\n".join(lines))
 
 

@@ -30,6 +30,9 @@ def test_every_kernel_variant_compiles_for_hopper_and_ampere(tmp_path):
         assert 0 < r["registers"] <= 255, r
         if r["kernel"] in tiles and not r["variant"].endswith("fp32"):  # 16-bit inputs run on tensor cores: wgmma on Hopper
             assert (r["wgmma"] > 0) if r["arch"] == "sm_90a" else (r["mma_sync"] > 0), r
+            if r["sass_instructions"] is not None:  # the cuobjdump beside ptxas: where the instructions sit
+                assert 0 < r["k_loop_instructions"] < r["per_tile_instructions"] < r["sass_instructions"], r
+        assert r["blocks_per_sm"] >= 1 and r["limited_by"], r
     # compiled as a device launch specializes them (Triton's binder): fresh tensors are 16-byte aligned, and
     # odd N and V leave fewer integers divisible by 16 (a compile without these attributes reported spills
     # that the H100 never showed)
@@ -60,6 +63,12 @@ def test_compiled_here_as_the_h100_compiled_it(tmp_path):
     # from the maximum's 1 (NOTES change 13: a tie count and a select per entry) 255 with 3.9, still without
     # spills; the device's count for this kernel is owed (benchmarks/device_run.sh tune)
     assert 245 <= got[0]["registers"] <= 255, got
+    # static facts beside the device's time: one block of 8 warps per SM (registers and 192 KB of stages), the
+    # operand bytes 128 x 256 tiles load at N = 16384, V = 128256, D = 4096, and the K loop run 4096 / 64 times
+    first = got[0]
+    assert first["blocks_per_sm"] == 1 and first["operand_gb"] == 128 * 501 * (128 + 256) * 4096 * 2 / 1e9, first
+    assert first["operand_tb_s"] == first["operand_gb"] / first["device_ms"] and 29.3 < first["device_ms"] < 29.4, first
+    assert first["issue_per_tile"] == first["k_loop_instructions"] * 64 + first["per_tile_instructions"] > 0, first
     bad = subprocess.run([sys.executable, script, str(tmp_path / "missing.json"), "--out", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "cannot read the sweep record" in bad.stderr, bad.stderr[-2000:]
