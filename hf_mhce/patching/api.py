@@ -174,7 +174,9 @@ def from_pretrained(path_or_id, **kwargs):
     with its saved class).  The apply_patch
     arguments (loss, num_heads, override_saved and the LossConfig options) may be given here too;
     everything else goes to from_pretrained (``trust_remote_code=True`` for a model that is custom code;
-    ``output_loading_info=True`` gives (model, report) for a checkpoint, as transformers does).
+    ``output_loading_info=True`` gives (model, report) for a checkpoint, as transformers does; an adapter
+    folder refuses it).  An ``hf_mhce.json`` written for other adapter weights than the folder holds (saved
+    again without hf_mhce) is not applied, with a warning.
     """
     names = ("loss", "num_heads", "override_saved", *OPTION_NAMES)
     patch_kwargs = {k: kwargs.pop(k) for k in names if k in kwargs}
@@ -185,6 +187,11 @@ def from_pretrained(path_or_id, **kwargs):
                                 "directory that save_pretrained wrote, or a hub id)")
     _check_not_an_adapter_parent(path)
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        if kwargs.get("output_loading_info"):  # PEFT would take the base's (model, report) for a model
+            raise ValueError(f"hf_mhce.from_pretrained: output_loading_info=True reports on a checkpoint's weights, and "
+                             f"{path!r} is a PEFT adapter, whose loader builds its base without it: load the base "
+                             "with AutoModelForCausalLM.from_pretrained(base, output_loading_info=True) to see that "
+                             "report, or leave the option out here")
         model = _peft_loader(path, kwargs).from_pretrained(path, **kwargs)
         saved = read_adapter_config(path)
         if saved is not None:  # what the adapter was trained with is what its outputs mean

@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 from ..losses.checks import as_count, as_index, as_number
 from ..losses.dispatch import BACKENDS
 
 CONFIG_KEY = "hf_mhce"
-# Beside a PEFT adapter saved alone (no config.json of its own): the loss config it was trained with.
+# Beside a PEFT adapter saved alone (no config.json of its own): the loss config it was trained with,
+# and a digest of the adapter weights it was written with (WEIGHTS_DIGEST_KEY).
 ADAPTER_CONFIG_FILE = "hf_mhce.json"
+ADAPTER_WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+WEIGHTS_DIGEST_KEY = "adapter_weights_sha256"
 LOSSES = ("ce", "mhce")
 CONFIG_FORMAT = 1
 
@@ -113,19 +118,44 @@ class LossConfig:
             raise type(err)(f"{source}: {err}") from err
 
 
+def adapter_weights_digest(directory: str) -> str | None:
+    """sha256 of the adapter weights file in ``directory`` (None without one)."""
+    for name in ADAPTER_WEIGHTS_FILES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            return digest.hexdigest()
+    return None
+
+
 def write_adapter_config(directory: str, cfg: LossConfig) -> None:
+    """hf_mhce.json beside the adapter PEFT just saved, with the digest of its weights: a later save of the
+    same folder without hf_mhce (after ``unpatch``) rewrites the weights but leaves this file, which must
+    not then give those weights a loss they were not saved with."""
+    saved = cfg.to_saved()
+    digest = adapter_weights_digest(directory)
     with open(os.path.join(directory, ADAPTER_CONFIG_FILE), "w") as f:
-        json.dump(cfg.to_saved(), f, indent=2)
+        json.dump(saved if digest is None else {**saved, WEIGHTS_DIGEST_KEY: digest}, f, indent=2)
 
 
 def read_adapter_config(directory: str) -> dict | None:
-    """The loss config saved beside a PEFT adapter, None when there is none."""
+    """The loss config saved beside a PEFT adapter; None when there is none, or (with a warning) when it was
+    written for other weights than the folder now holds."""
     path = os.path.join(directory, ADAPTER_CONFIG_FILE)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
         saved = json.load(f)
+    digest = saved.pop(WEIGHTS_DIGEST_KEY, None) if isinstance(saved, dict) else None
     LossConfig.from_saved(saved, source=path)  # a malformed file fails here, naming itself
+    if digest is not None and digest != adapter_weights_digest(directory):
+        warnings.warn(f"{path} was written for other adapter weights than {directory} now holds (the adapter was "
+                      f"saved again without hf_mhce, e.g. after unpatch): its loss config {saved} is not applied; "
+                      "give loss=... / num_heads=... to apply one", stacklevel=3)
+        return None
     return saved
 
 

@@ -297,12 +297,14 @@ def _write_hf_mhce_files(self, save_directory, main_process: bool, name: str | N
     if state is not None and main_process:
         directory = os.fspath(save_directory)
         adapters_only = self is not target or has_integrated_adapters(target)
-        adapter = adapters_only and os.path.isfile(os.path.join(directory, "adapter_config.json"))
-        write_card(target, state.config, directory, adapter, name)
         names = getattr(self, "peft_config", {}) if self is not target else {}  # integrated: the active one only
-        for adapter_dir in {directory, *(os.path.join(directory, n) for n in names if n != "default")}:
-            if adapters_only and os.path.isfile(os.path.join(adapter_dir, "adapter_config.json")):
-                write_adapter_config(adapter_dir, state.config)
+        candidates = dict.fromkeys([directory, *(os.path.join(directory, n) for n in names if n != "default")])
+        adapter_dirs = [d for d in candidates if adapters_only and os.path.isfile(os.path.join(d, "adapter_config.json"))]
+        # PEFT saves adapters not named "default" in <directory>/<name>: the card loads the first of those
+        loads = name or (os.path.abspath(adapter_dirs[0]) if adapter_dirs and adapter_dirs[0] != directory else None)
+        write_card(target, state.config, directory, bool(adapter_dirs), loads)
+        for adapter_dir in adapter_dirs:
+            write_adapter_config(adapter_dir, state.config)
 
 
 def _reduce_ex(self, protocol):
