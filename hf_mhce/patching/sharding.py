@@ -66,7 +66,9 @@ def call_through(head: nn.Module, fn: Callable, *tensors: torch.Tensor):
     given (wrappers may replace them, e.g. to hook their backward or cast them).
     """
     for module in head.modules():
-        if owns_sharded_params(module):
+        # a ParameterDict / ParameterList (PEFT's trainable-token deltas) cannot be called: ZeRO-3 gathers
+        # a container's parameters as they are read, and so does the fused loss reading them
+        if owns_sharded_params(module) and not isinstance(module, (nn.ParameterDict, nn.ParameterList)):
             fn = _inside(module, fn)
     return fn(*tensors)
 

@@ -40,6 +40,10 @@ def global_batch():
 def build(case: str):
     from peft import LoraConfig, get_peft_model
 
+    if "tokens" in case:  # PEFT's trainable tokens on a tied embedding: its rows enter the tied head too
+        model = make_model("llama", seed=0, tied=True)
+        return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[1, 5, 7, 50],
+                                                init_lora_weights=False))
     model = make_model("llama", seed=0)
     if "lora" in case:
         torch.manual_seed(1)

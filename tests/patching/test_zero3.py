@@ -14,7 +14,7 @@ import deepspeed  # noqa: E402,F401  (in the [test] extra: a missing install fai
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce"]
+CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce", "zero3_tokens_mhce"]
 
 
 @pytest.fixture(scope="module", params=list(LOSS_BACKENDS))
@@ -31,6 +31,8 @@ def test_zero3_matches_single_process(runs, case):
     assert_step_equal(dist[case], single[case], case)
     if "lora" in case:
         assert any("lm_head.lora_B" in n for n in dist[case]["grads"])
+    if "tokens" in case:  # its ParameterDict of deltas was called as a module (TypeError) before
+        assert any("trainable_tokens_delta" in n for n in dist[case]["grads"])
 
 
 def test_a_head_partitioned_as_it_loads_is_patched():

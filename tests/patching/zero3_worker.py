@@ -7,7 +7,8 @@ rows: the loss (averaged over processes) and every parameter's full gradient (ga
 ZeRO-3 partitions every parameter: outside its module's call lm_head.weight is an empty
 placeholder, which is what the fused loss must never compute on.
 
-Cases: zero3_ce, zero3_mhce (H=2), zero3_lora_mhce (PEFT LoRA on q_proj, v_proj, lm_head).
+Cases: zero3_ce, zero3_mhce (H=2), zero3_lora_mhce (PEFT LoRA on q_proj, v_proj, lm_head), zero3_tokens_mhce
+(PEFT trainable_token_indices on a tied embedding: its deltas sit in a ParameterDict inside the head).
 
 Usage: zero3_worker.py OUT_JSON [SINGLE_JSON]  (launched with SINGLE_JSON: rank 0 first writes the
 single-process reference there, see launch_helpers.single_reference)
@@ -25,7 +26,7 @@ torch.set_num_threads(1)
 from launch_helpers import finish, single_reference  # noqa: E402
 from sharding_worker import ROWS, build, global_batch, loss_options, single_step  # noqa: E402
 
-CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce"]
+CASES = ["zero3_ce", "zero3_mhce", "zero3_lora_mhce", "zero3_tokens_mhce"]
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
              "optimizer": {"type": "SGD", "params": {"lr": 0.0}}, "zero_allow_untested_optimizer": True}
@@ -46,9 +47,9 @@ def step(case: str, distributed: bool) -> dict:
     config = dict(DS_CONFIG, train_micro_batch_size_per_gpu=ROWS // world)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                       config=config)
-    head = engine.module.get_output_embeddings()
-    base = getattr(head, "base_layer", head)
-    placeholder = tuple(base.weight.shape)  # outside lm_head's call: partitioned
+    # the head's own weight (LoRA's base_layer, trainable tokens' token_adapter.base_layer): outside its call, partitioned
+    placeholder = next(tuple(p.shape) for n, p in engine.module.get_output_embeddings().named_parameters()
+                       if n in ("weight", "base_layer.weight", "token_adapter.base_layer.weight"))
     rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
     loss = engine(input_ids=ids[rows], labels=labels[rows]).loss
     engine.backward(loss)
