@@ -15,6 +15,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ..losses import collect_ranks
 from ..patching import CONFIG_KEY, apply_patch, is_patched, unpatch
 from ..patching.methods import unwrap
+from ..patching.sharding import FullyShardedDataParallel
 from .data import check_aligned
 from .placement import head_vocab_size, input_device
 from .stats import RBEDecomposition, RBEStats
@@ -157,13 +158,15 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
         tensor or integer numpy array, a list of id lists), padded per batch.  A row that is not
         integer token ids, or whose labels or attention_mask do not have one entry per input id, is
         named by its index (in ``data`` where that has indexing).
-    A model inside ``nn.DataParallel`` or ``DistributedDataParallel`` is evaluated through
-    ``model.module``.  An unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
+    A model inside ``nn.DataParallel``, ``DistributedDataParallel`` or a ``DeepSpeedEngine`` is evaluated
+    through ``model.module``; an FSDP1 root wrapper is refused (FSDP2's ``fully_shard`` works).  An unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
     cross-entropy) and restored afterwards; the ranks come from the fused loss sweep.
     Distributed: give each process its share of the rows (e.g. a DistributedSampler); the
     statistics are summed over the processes.  A DistributedSampler pads a set whose size is not
     a multiple of the number of processes with repeated rows, which are then counted twice
     (a warning says so).
+    A sharded model (FSDP2, ZeRO-3) gathers its weights in every forward, a collective, so every process
+    must run the same number of batches (as transformers alone needs).
     The sum is a collective: call evaluate in every process (each with its own rows: the same rows
     given to every process are counted once per process), or pass ``all_reduce=False`` (e.g. from
     process 0 only) for the statistics of this process's rows alone.
@@ -190,6 +193,12 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
                       "rows, which the RBE statistics count twice", stacklevel=2)
     if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
         model = model.module  # a forward without gradient needs neither wrapper (and DataParallel's threads race the sink)
+    elif type(model).__module__.startswith("deepspeed.") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module  # a DeepSpeedEngine: ZeRO-3 gathers through hooks on the modules inside, not the engine
+    elif isinstance(model, FullyShardedDataParallel):
+        raise TypeError("evaluate cannot run a model inside an FSDP1 FullyShardedDataParallel root wrapper (its forward "
+                        "gathers the parameters, and patching checks the model inside): shard it with FSDP2's "
+                        "fully_shard, or evaluate in a Trainer with RBECallback")
     # not the head's weight, which ZeRO-3 empties and accelerate's offloading leaves on the meta device
     device = torch.device(device) if device is not None else input_device(model)
     stats = RBEStats(head_vocab_size(model))

@@ -240,6 +240,25 @@ def test_evaluate_through_data_parallel_wrapper():
     assert wrapped.as_dict() == evaluate(model, rows, batch_size=3).as_dict()
 
 
+def test_evaluate_through_a_deepspeed_engine_and_fsdp1_refused():
+    """What deepspeed.initialize returns (and accelerate's DeepSpeed prepare) is evaluated through .module, as
+    DDP is; an FSDP1 root wrapper is refused by name.  Both were taken for the model to patch:
+    a real engine gave UnsupportedModelError "cannot patch DeepSpeedEngine: it is not a transformers PreTrainedModel"."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class DeepSpeedEngine(torch.nn.Module):  # deepspeed.runtime.engine's name and place; its forward is not needed
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    DeepSpeedEngine.__module__ = "deepspeed.runtime.engine"
+    model = apply_patch(tiny_gpt2(seed=2), loss="mhce", num_heads=2)
+    rows = ragged_rows(5, seed=8)
+    assert evaluate(DeepSpeedEngine(model), rows, batch_size=3).as_dict() == evaluate(model, rows, batch_size=3).as_dict()
+    with pytest.raises(TypeError, match="FSDP1 FullyShardedDataParallel root wrapper.*fully_shard"):
+        evaluate(FullyShardedDataParallel.__new__(FullyShardedDataParallel), rows)  # checked before it is used
+
+
 def test_a_directory_without_data_is_named(tmp_path):
     from hf_mhce.rbe.data import load_texts
 
