@@ -299,7 +299,7 @@ def _write_hf_mhce_files(self, save_directory, main_process: bool, name: str | N
         adapters_only = self is not target or has_integrated_adapters(target)
         names = getattr(self, "peft_config", {}) if self is not target else {}  # integrated: the active one only
         candidates = dict.fromkeys([directory, *(os.path.join(directory, n) for n in names if n != "default")])
-        adapter_dirs = [d for d in candidates if adapters_only and os.path.isfile(os.path.join(d, "adapter_config.json"))]
+        adapter_dirs = [d for d in candidates if os.path.isfile(os.path.join(d, "adapter_config.json"))] if adapters_only else []
         # PEFT saves adapters not named "default" in <directory>/<name>: the card loads the first of those
         loads = name or (os.path.abspath(adapter_dirs[0]) if adapter_dirs and adapter_dirs[0] != directory else None)
         write_card(target, state.config, directory, bool(adapter_dirs), loads)

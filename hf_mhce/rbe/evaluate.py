@@ -159,7 +159,8 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
         integer token ids, or whose labels or attention_mask do not have one entry per input id, is
         named by its index (in ``data`` where that has indexing).
     A model inside ``nn.DataParallel``, ``DistributedDataParallel`` or a ``DeepSpeedEngine`` is evaluated
-    through ``model.module``; an FSDP1 root wrapper is refused (FSDP2's ``fully_shard`` works).  An unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
+    through ``model.module``; an FSDP1 root wrapper is refused (FSDP2's ``fully_shard`` works).  An
+    unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
     cross-entropy) and restored afterwards; the ranks come from the fused loss sweep.
     Distributed: give each process its share of the rows (e.g. a DistributedSampler); the
     statistics are summed over the processes.  A DistributedSampler pads a set whose size is not
@@ -191,14 +192,7 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     if isinstance(sampler, DistributedSampler) and not sampler.drop_last and sampler.total_size != len(sampler.dataset):
         warnings.warn(f"the DistributedSampler pads {len(sampler.dataset)} rows to {sampler.total_size} with repeated "
                       "rows, which the RBE statistics count twice", stacklevel=2)
-    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
-        model = model.module  # a forward without gradient needs neither wrapper (and DataParallel's threads race the sink)
-    elif type(model).__module__.startswith("deepspeed.") and isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module  # a DeepSpeedEngine: ZeRO-3 gathers through hooks on the modules inside, not the engine
-    elif isinstance(model, FullyShardedDataParallel):
-        raise TypeError("evaluate cannot run a model inside an FSDP1 FullyShardedDataParallel root wrapper (its forward "
-                        "gathers the parameters, and patching checks the model inside): shard it with FSDP2's "
-                        "fully_shard, or evaluate in a Trainer with RBECallback")
+    model = _inside_wrapper(model)
     # not the head's weight, which ZeRO-3 empties and accelerate's offloading leaves on the meta device
     device = torch.device(device) if device is not None else input_device(model)
     stats = RBEStats(head_vocab_size(model))
@@ -239,6 +233,19 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
                           "times (num_tokens); give each process its share of the rows, or all_reduce=False", stacklevel=2)
         stats.all_reduce()
     return RBEReport(stats.decompose(), stats)
+
+
+def _inside_wrapper(model):
+    """The model a data-parallel wrapper holds (evaluated directly), else ``model``; FSDP1's root is refused."""
+    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        return model.module  # a forward without gradient needs neither wrapper (and DataParallel's threads race the sink)
+    if type(model).__module__.startswith("deepspeed.") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        return model.module  # a DeepSpeedEngine: ZeRO-3 gathers through hooks on the modules inside, not the engine
+    if isinstance(model, FullyShardedDataParallel):
+        raise TypeError("evaluate cannot run a model inside an FSDP1 FullyShardedDataParallel root wrapper (its forward "
+                        "gathers the parameters, and patching checks the model inside): shard it with FSDP2's "
+                        "fully_shard, or evaluate in a Trainer with RBECallback")
+    return model
 
 
 def _input_vocab(model) -> int | None:

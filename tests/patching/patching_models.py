@@ -30,6 +30,14 @@ def make_model(family: str, *, tied: bool = False, vocab: int = VOCAB, hidden: i
 FAMILIES = ["llama", "mistral", "gpt2"]
 
 
+def saved_base(tmp_path, family: str = "llama"):
+    """A base checkpoint on disk, loaded back, so that an adapter records where its base is."""
+    from transformers import AutoModelForCausalLM
+
+    make_model(family).save_pretrained(tmp_path / "base")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+
+
 def batch(batch_size: int = 2, seq: int = 12, vocab: int = VOCAB, seed: int = 1, pad_first: int = 3):
     """input_ids and labels with the first ``pad_first`` labels of row 0 ignored."""
     g = torch.Generator().manual_seed(seed)

@@ -4,7 +4,7 @@ import contextlib
 
 import pytest
 import torch
-from patching_models import assert_grads_close, batch, grads, make_model, mixture_logprobs_reference
+from patching_models import assert_grads_close, batch, grads, make_model, mixture_logprobs_reference, saved_base
 from peft import LoraConfig, get_peft_model
 
 from hf_mhce.patching import UnsupportedModelError, apply_patch, is_patched, unpatch
@@ -201,14 +201,6 @@ def test_other_tuners_on_the_head_are_refused_by_name():
             wrapped(input_ids=batch()[0], labels=batch()[1])
 
 
-def _saved_base(tmp_path, family="llama"):
-    """A base checkpoint on disk, loaded back, so that an adapter records where its base is."""
-    from transformers import AutoModelForCausalLM
-
-    make_model(family).save_pretrained(tmp_path / "base")
-    return AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-
-
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "lm_head"]])
 def test_adapter_saved_alone_keeps_its_loss(tmp_path, targets):
     """PeftModel.save_pretrained writes no config.json: the MHCE config goes beside the adapter, and
@@ -216,7 +208,7 @@ def test_adapter_saved_alone_keeps_its_loss(tmp_path, targets):
     import hf_mhce
     from hf_mhce.patching.config import ADAPTER_CONFIG_FILE
 
-    model = apply_patch(_lora(_saved_base(tmp_path), targets), loss="mhce", num_heads=2, z_loss=1e-3).eval()
+    model = apply_patch(_lora(saved_base(tmp_path), targets), loss="mhce", num_heads=2, z_loss=1e-3).eval()
     model.save_pretrained(tmp_path / "adapter")
     assert (tmp_path / "adapter" / ADAPTER_CONFIG_FILE).is_file()
     assert not (tmp_path / "adapter" / "config.json").exists()  # PEFT's layout is unchanged
@@ -232,7 +224,7 @@ def test_adapter_saved_alone_keeps_its_loss(tmp_path, targets):
         torch.testing.assert_close(loaded(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels).loss)
 
     # Without hf_mhce.json (an adapter saved before hf_mhce patched it): the base's record, else CE.
-    plain = _lora(_saved_base(tmp_path / "again"), targets)
+    plain = _lora(saved_base(tmp_path / "again"), targets)
     plain.save_pretrained(tmp_path / "plain_adapter")
     assert not (tmp_path / "plain_adapter" / ADAPTER_CONFIG_FILE).exists()
     assert hf_mhce.from_pretrained(tmp_path / "plain_adapter").get_base_model().config.hf_mhce["loss"] == "ce"
@@ -245,7 +237,7 @@ def test_named_adapters_each_keep_the_loss(tmp_path):
     only, so loading <dir>/<name> silently gave CE), and <dir> itself gets an error that names them."""
     import hf_mhce
 
-    base = _saved_base(tmp_path)
+    base = saved_base(tmp_path)
     torch.manual_seed(1)
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), adapter_name="code")
     model.add_adapter("chat", LoraConfig(r=2, target_modules=["v_proj"]))
@@ -273,9 +265,9 @@ def test_patched_before_get_peft_model_warns_until_the_peft_model_is_patched(tmp
     ids, labels = batch()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="hf_mhce")  # plain CE, default options: nothing lost, silent
-        _lora(apply_patch(_saved_base(tmp_path / "ce")), ["q_proj"])(input_ids=ids, labels=labels)
+        _lora(apply_patch(saved_base(tmp_path / "ce")), ["q_proj"])(input_ids=ids, labels=labels)
 
-    model = _lora(apply_patch(_saved_base(tmp_path / "mhce"), loss="mhce", num_heads=2), ["q_proj"])
+    model = _lora(apply_patch(saved_base(tmp_path / "mhce"), loss="mhce", num_heads=2), ["q_proj"])
     with pytest.warns(UserWarning, match=r"patched before get_peft_model.*apply_patch\(peft_model\)"):
         model(input_ids=ids, labels=labels)
     with warnings.catch_warnings():
@@ -361,7 +353,7 @@ def test_transformers_integrated_adapter_saved_alone_keeps_its_loss(tmp_path, ta
     refused = _integration_refuses_installed_peft()
     if refused:
         pytest.skip(refused)
-    model = apply_patch(_saved_base(tmp_path), loss="mhce", num_heads=4)
+    model = apply_patch(saved_base(tmp_path), loss="mhce", num_heads=4)
     torch.manual_seed(1)
     model.add_adapter(LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False, task_type=task_type))
     model.eval()

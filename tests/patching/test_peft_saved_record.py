@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from patching_models import batch, make_model
+from patching_models import batch, saved_base
 from peft import LoraConfig, get_peft_model
 
 import hf_mhce
@@ -14,16 +14,9 @@ from hf_mhce.patching import apply_patch, is_patched, unpatch
 from hf_mhce.patching.config import ADAPTER_CONFIG_FILE, WEIGHTS_DIGEST_KEY
 
 
-def _saved_base(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    make_model("llama").save_pretrained(tmp_path / "base")
-    return AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-
-
 def _adapter(tmp_path, **peft_kw):
     torch.manual_seed(1)
-    model = get_peft_model(_saved_base(tmp_path), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), **peft_kw)
+    model = get_peft_model(saved_base(tmp_path), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), **peft_kw)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
