@@ -31,8 +31,18 @@ _UPLOAD = "_upload_modified_files"  # transformers' PushToHubMixin: the last ste
 _SETSTATE = "__setstate__"
 
 
+def uncompiled(model):
+    """The module a ``torch.compile(model)`` wrapper (OptimizedModule) holds, else ``model``: the patch state
+    lives on that module, and the wrapper runs its forward (read without importing dynamo)."""
+    while type(model).__name__ == "OptimizedModule" and isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
+
+
 def unwrap(model) -> nn.Module:
-    """The transformers model inside a PeftModel (or LoraModel); the model itself otherwise."""
+    """The transformers model inside a PeftModel (or LoraModel) and a torch.compile wrapper; the model
+    itself otherwise."""
+    model = uncompiled(model)
     try:
         from peft import PeftModel
         from peft.tuners.tuners_utils import BaseTuner

@@ -70,6 +70,7 @@ def foreign_params(model: nn.Module, forward) -> dict:
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
+@torch.inference_mode(False)  # the check needs a graph whatever the caller runs in (rbe.evaluate: inference mode)
 def verify(model: nn.Module, out_cls, facts, router, forward, signature, positional) -> str | None:
     """None if the generic forward reproduces ``forward`` on the probe's inputs, else what differs."""
     from .config import LossConfig

@@ -14,7 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..losses import collect_ranks
 from ..patching import CONFIG_KEY, apply_patch, is_patched, unpatch
-from ..patching.methods import unwrap
+from ..patching.methods import uncompiled, unwrap
 from ..patching.sharding import FullyShardedDataParallel
 from .data import check_aligned
 from .placement import head_vocab_size, input_device
@@ -171,6 +171,8 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
     The sum is a collective: call evaluate in every process (each with its own rows: the same rows
     given to every process are counted once per process), or pass ``all_reduce=False`` (e.g. from
     process 0 only) for the statistics of this process's rows alone.
+    batch_size: rows per batch where ``data`` is not a DataLoader (which batches itself).
+    progress: show a tqdm bar over the batches.  max_batches: stop after that many batches (None: all).
     device: where the batches go; default: where the model's input embedding runs.  Rows without
     labels: padding and attention-masked positions get the label the model is patched to ignore
     (``ignore_index``), as do the first real token after left padding and, in a batch without labels,
@@ -236,11 +238,15 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
 
 
 def _inside_wrapper(model):
-    """The model a data-parallel wrapper holds (evaluated directly), else ``model``; FSDP1's root is refused."""
-    if isinstance(model, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
-        return model.module  # a forward without gradient needs neither wrapper (and DataParallel's threads race the sink)
-    if type(model).__module__.startswith("deepspeed.") and isinstance(getattr(model, "module", None), torch.nn.Module):
-        return model.module  # a DeepSpeedEngine: ZeRO-3 gathers through hooks on the modules inside, not the engine
+    """The model data-parallel and torch.compile wrappers hold (evaluated directly), else ``model``; FSDP1's
+    root is refused."""
+    inner = uncompiled(model)  # evaluated eagerly: one pass needs no graph (accelerate's dynamo_backend wraps DDP)
+    if isinstance(inner, (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)):
+        inner = inner.module  # a forward without gradient needs neither wrapper (and DataParallel's threads race the sink)
+    elif type(inner).__module__.startswith("deepspeed.") and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module  # a DeepSpeedEngine: ZeRO-3 gathers through hooks on the modules inside, not the engine
+    if inner is not model:
+        return _inside_wrapper(inner)
     if isinstance(model, FullyShardedDataParallel):
         raise TypeError("evaluate cannot run a model inside an FSDP1 FullyShardedDataParallel root wrapper (its forward "
                         "gathers the parameters, and patching checks the model inside): shard it with FSDP2's "

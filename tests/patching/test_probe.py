@@ -316,3 +316,17 @@ def test_a_soft_cap_the_table_does_not_know_is_refused(monkeypatch):
         hf_mhce.apply_patch(capped)
     capped.config.final_logit_softcapping = None  # no cap: the generic forward is exact
     assert is_patched(hf_mhce.apply_patch(capped))
+
+
+def test_the_check_runs_inside_inference_mode():
+    """The probe needs a graph: under the caller's inference_mode (rbe.evaluate's) it ran on inference tensors and
+    refused a faithful override ("cannot be saved for backward"); a re-check there unpatched an MHCE model."""
+    ref, model = build(LlamaForCausalLM), build(Same)
+    with torch.inference_mode():
+        hf_mhce.apply_patch(model, loss="mhce", num_heads=2)
+        hf_mhce.apply_patch(model, return_logits=False)  # asked again: checked again, kept
+    assert is_patched(model) and model.config.hf_mhce["loss"] == "mhce"
+    hf_mhce.unpatch(model)
+    with torch.inference_mode():
+        hf_mhce.apply_patch(model)
+    assert_same(ref, model)
