@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import hf_mhce
     from hf_mhce.train import corpus
-    from hf_mhce.train.job import build_datasets, build_tokenizer, count_shifted_targets, lora_model, parameter_count
+    from hf_mhce.train.job import (best_by_first_eval_loss, build_datasets, build_tokenizer, count_shifted_targets,
+                                  lora_model, parameter_count)
 
     argv = list(sys.argv[1:] if argv is None else argv)
     example, model_args, data_args, loss_args, lora_args, training_args = parse(argv)
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_ds = corpus.lm_dataset(corpus.token_blocks(train_texts, tokenizer, block, data_args.max_train_blocks))
         eval_ds = {name: corpus.lm_dataset(corpus.token_blocks(texts, tokenizer, block, data_args.max_eval_blocks))
                    for name, texts in eval_texts.items()}
+        best_by_first_eval_loss(training_args, list(eval_ds))
 
         # the model: load, (LoRA), patch with the fused loss (kept from the checkpoint unless --loss/--num_heads).
         # apply_patch after get_peft_model, so that the PeftModel's save (the adapter) writes the card section too.

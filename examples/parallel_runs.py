@@ -64,7 +64,12 @@ def options_argv(options: dict) -> list[str]:
 
 
 def check_sweep_args(p: argparse.ArgumentParser, args) -> None:
-    """The shared options' usage errors, before any work: counts below 1, --replot with nothing to redo."""
+    """The shared options' usage errors, before any work: counts below 1, --replot with nothing to redo, no
+    matplotlib for the sweep's figure (its runs would go without their RBE plots and the figure fail at the end)."""
+    from hf_mhce.rbe import plots
+
+    if not plots.available():
+        p.error(plots.MISSING.replace("RBE plots", "the sweep's figure"))
     for name in ("workers", "threads", "steps"):
         if getattr(args, name, None) is not None and getattr(args, name) < 1:
             p.error(f"--{name} {getattr(args, name)} must be at least 1")

@@ -337,6 +337,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"reduced size for tests: {QUICK} (explicit options still win)")
     args = p.parse_args(argv)
+    from hf_mhce.rbe import plots
+
+    if not plots.available():  # the figure is this experiment's result: say so before training, not after
+        p.error(f"{plots.MISSING.replace('RBE plots', 'the figure')}")
     base = QUICK if args.quick else DEFAULT
     for k, v in base.items():
         if getattr(args, k) is None:

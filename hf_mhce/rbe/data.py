@@ -110,7 +110,13 @@ def load_texts(path_or_name: str, split: str | None = None, config: str | None =
         raise DataError(f"no such file or directory: {path_or_name!r}")
     try:
         ds = datasets.load_dataset(path, config, **options)
-    except (FileNotFoundError, ConnectionError) as err:
+    except datasets.exceptions.DatasetGenerationError as err:  # a bad row in one of a folder's files, say
+        raise DataError(f"could not read {path_or_name!r}: {err.__cause__ or err}") from err
+    except (FileNotFoundError, ConnectionError, ValueError) as err:
+        if os.path.isdir(path):  # e.g. files in subfolders of different types, read as splits of different formats
+            raise DataError(f"datasets could not read the folder {path_or_name!r} as a dataset: {err}") from err
+        if isinstance(err, ValueError):
+            raise
         raise DataError(f"{path_or_name!r} is no local file or directory, and loading it as a dataset name "
                         f"failed: {err}") from err
     return _pick_split(ds, split, path_or_name, split_option) if isinstance(ds, datasets.DatasetDict) else ds
@@ -275,7 +281,11 @@ def column_texts(dataset, column: str, option: str) -> list[str]:
         raise DataError(f"column {column!r} holds {feature}, not text (a string per row): pass a column of strings "
                         f"with {option}" + ("; render chat messages to a string column first (e.g. with the "
                                             "tokenizer's apply_chat_template(..., tokenize=False))" if chat else ""))
-    return [text for text in dataset[column] if text and not text.isspace()]
+    try:  # datasets' json reader keeps bytes that are not UTF-8; reading the column decodes them
+        texts = list(dataset[column])  # a lazy column in datasets 4: decoded as it is read
+    except UnicodeDecodeError as err:
+        raise DataError(f"column {column!r} is not UTF-8 text ({err}): convert the file to UTF-8") from None
+    return [text for text in texts if text and not text.isspace()]
 
 
 def bos_prefix(tokenizer) -> list[int]:

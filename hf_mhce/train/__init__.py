@@ -14,11 +14,7 @@ def parse(argv: list[str] | None = None, arguments: tuple = ALL_ARGUMENTS, prog:
     """The argument dataclasses (``arguments``, TrainingArguments' last) from a command line, or from
     a single .json / .yaml file; a bad option is argparse's usage error (exit status 2).  An example
     script passes its own dataclasses and ``prog`` (examples/finetune.py)."""
-    from transformers import HfArgumentParser
-
-    # allow_abbrev=False: `given` below reads the options as written, so an abbreviation argparse would
-    # accept (--num_train_epoch) must be refused, not silently left out of it
-    parser = HfArgumentParser(arguments, prog=prog, allow_abbrev=False, description=description)
+    parser = _parser(arguments, prog=prog, description=description)
     source = argv[0] + ": " if _options_file(argv) else ""  # where the options come from, in messages
     try:
         return _parsed(parser, argv)
@@ -33,17 +29,32 @@ def check_options(argv: list[str]) -> None:
     before reading any data (the sweep examples check every run's options before the first starts)."""
     from argparse import ArgumentError
 
-    from transformers import HfArgumentParser
-
-    from .arguments import check_arguments, check_schedule
+    from .arguments import check_arguments, check_schedule, fuse_label_smoothing
 
     try:  # exit_on_error=False: a value argparse cannot convert is an ArgumentError, not a usage exit
         model_args, data_args, loss_args, lora_args, training_args = _parsed(
-            HfArgumentParser(ALL_ARGUMENTS, prog=PROG, allow_abbrev=False, exit_on_error=False), argv)
+            _parser(ALL_ARGUMENTS, prog=PROG, exit_on_error=False), argv)
     except ArgumentError as err:
         raise ValueError(str(err)) from None
     check_schedule(training_args)
+    fuse_label_smoothing(loss_args, training_args)
     check_arguments(model_args, data_args, loss_args, lora_args, training_args.resume_from_checkpoint)
+
+
+def _parser(arguments: tuple, **kwargs):
+    """HfArgumentParser over ``arguments``.  allow_abbrev=False: ``_parsed``'s `given` reads the options as
+    written, so an abbreviation argparse would accept (--num_train_epoch) must be refused, not silently left
+    out of it.  The --no_X flag HfArgumentParser adds for a bool X that defaults to true repeats X's help
+    (and shows "default: False"); it is given its own."""
+    from argparse import SUPPRESS
+
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(arguments, allow_abbrev=False, **kwargs)
+    for action in parser._actions:
+        if action.option_strings and action.option_strings[0] == f"--no_{action.dest}":
+            action.help, action.default = f"set --{action.dest} to false", SUPPRESS  # X's own flag sets the default
+    return parser
 
 
 def _options_file(argv: list[str] | None) -> bool:
@@ -63,7 +74,23 @@ def _parsed(parser, argv: list[str] | None) -> tuple:
                  if a.startswith("--")}
     if "num_train_epochs" in given and "max_steps" not in given:  # else the job's default max_steps wins
         parsed[-1].max_steps = -1
+    _plots_if_installed(parsed, given)
     return tuple(parsed)
+
+
+def _plots_if_installed(parsed, given: set) -> None:
+    """RBE plots by default only where matplotlib is installed (the ``plot`` extra): a plain
+    ``pip install hf-mhce`` runs ``hf-mhce train`` without them, saying so; an explicit --rbe_plots
+    without matplotlib is still refused (check_arguments)."""
+    if given & {"rbe_plots", "no_rbe_plots"}:
+        return
+    from ..rbe import plots
+
+    for args in parsed:
+        if getattr(args, "rbe_plots", False) and not plots.available():
+            args.rbe_plots = False
+            print(f"{PROG}: no RBE plots: matplotlib is not installed ({plots.MISSING.split(': ', 1)[1]})",
+                  file=sys.stderr)
 
 
 def _file_options(path: str, parser) -> dict:
@@ -85,25 +112,79 @@ def _file_options(path: str, parser) -> dict:
 
 
 def _typed(options: dict, parser, path: str) -> dict:
-    """The file's strings for number and bool options converted as the command line converts them: YAML
-    reads 1e-4 as a string, and parse_dict passes values on unconverted (AdamW then failed on lr '1e-4'
-    after the data was read, and "false" was a true --rbe_plots)."""
+    """The file's values checked and converted as the command line converts its strings: YAML reads 1e-4 as a
+    string and parse_dict passes values on unconverted (AdamW then failed on lr '1e-4' after the data was read,
+    "false" was a true --rbe_plots, and block_size 16.5, block_size null or a list of LoRA modules were
+    tracebacks).  A number where text is expected becomes its text, as on the command line; a list of
+    --lora_target_modules is joined with commas."""
     from argparse import ArgumentTypeError
 
     from transformers.hf_argparser import string_to_bool
 
-    types = {a.dest: a.type for a in parser._actions if a.type in (int, float, string_to_bool)}
+    actions = {a.dest: a for a in parser._actions if a.option_strings and not a.option_strings[0].startswith("--no_")}
+    admitted = _admitted(parser)
     typed = dict(options)
     for name, value in options.items():
-        if name in types and isinstance(value, str):
-            try:
-                typed[name] = types[name](value)
-            except (ArgumentTypeError, TypeError, ValueError) as err:
-                parser.error(f"{path}: {name}: {value!r}: {err}")
+        action = actions.get(name)
+        if action is None or action.nargs in ("+", "*") or (isinstance(value, (list, dict)) and
+                                                           type(value) in admitted.get(name, ())):
+            continue  # unknown names are parse_dict's error; a list or dict where the field takes one is passed on
+        kind = action.type
+
+        def wrong(expected: str):
+            parser.error(f"{path}: {name}: {value!r} is not {expected}")
+
+        if value is None:
+            if type(None) not in admitted.get(name, {type(None)}):
+                parser.error(f"{path}: {name} is empty (null): give a value, or leave it out for its default")
+        elif isinstance(value, str):
+            if kind in (int, float, string_to_bool):
+                try:
+                    typed[name] = kind(value)
+                except (ArgumentTypeError, TypeError, ValueError) as err:
+                    parser.error(f"{path}: {name}: {value!r}: {err}")
+        elif kind is string_to_bool:
+            if not isinstance(value, bool):
+                wrong("true or false")
+        elif kind is int:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+                wrong("an integer")
+            typed[name] = int(value)
+        elif kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                wrong("a number")
+            typed[name] = float(value)
+        elif isinstance(value, list) and name == "lora_target_modules" and all(isinstance(v, str) for v in value):
+            typed[name] = ",".join(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            typed[name] = str(value)
+        else:
+            wrong("a string")
+        if action.choices and typed[name] is not None and typed[name] not in action.choices:
+            parser.error(f"{path}: {name}: {typed[name]!r} is not one of {', '.join(map(str, action.choices))}")
     return typed
 
 
+def _admitted(parser) -> dict[str, set]:
+    """For each of the parser's dataclass fields, the plain types (and origins: list, dict) its type admits."""
+    import dataclasses
+    import types
+    import typing
+
+    admitted = {}
+    for dtype in parser.dataclass_types:
+        hints = typing.get_type_hints(dtype)
+        for f in dataclasses.fields(dtype):
+            hint = hints.get(f.name)
+            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+            admitted[f.name] = {typing.get_origin(a) or a for a in (typing.get_args(hint) if union else (hint,))}
+    return admitted
+
+
 def main(argv: list[str] | None = None) -> dict:
+    """Run ``hf-mhce train`` with ``argv`` (default: sys.argv[1:]) and return its summary (what metrics.json
+    holds: loss, num_heads, parameters, train metrics, final_eval, rbe_history, sample).  A refused option or
+    dataset raises ValueError, as ``cli`` turns into a usage error."""
     return run(*parse(argv))
 
 

@@ -57,7 +57,9 @@ class LossArguments:
         "help": "weight of the z-loss (log-partition squared) in the fused loss; default: --model's saved value, else 0"})
     override_saved: bool = field(default=False, metadata={
         "help": "allow a --loss/--num_heads different from the one saved in a checkpoint"})
-    rbe_plots: bool = field(default=True, metadata={"help": "write RBE plots to <output_dir>/rbe (matplotlib)"})
+    rbe_plots: bool = field(default=True, metadata={
+        "help": "write RBE plots to <output_dir>/rbe (needs matplotlib: hf-mhce[plot]; by default only where it is "
+                "installed); --no_rbe_plots: none"})
     sample_prompt: str = field(default="The", metadata={"help": "prompt of the greedy sample printed at the end"})
     sample_tokens: int = field(default=40, metadata={"help": "tokens of that sample; 0: no sample"})
 
@@ -274,9 +276,39 @@ def check_schedule(training_args) -> None:
     if not training_args.learning_rate >= 0:
         raise ValueError(f"--learning_rate {training_args.learning_rate} must be a non-negative number")
     resume = training_args.resume_from_checkpoint
-    if resume and not os.path.isdir(resume):  # else the Trainer says so after the data is read and the model built
-        raise ValueError(f"--resume_from_checkpoint {resume}: no such checkpoint directory (a checkpoint-N folder "
-                         "of an earlier run with --save_strategy steps or epoch)")
+    if resume:  # else the Trainer says so after the data is read and the model built
+        _check_resume(resume)
+    _check_output_dir(training_args.output_dir)
+    from transformers.integrations import get_available_reporting_integrations
+
+    missing = [name for name in training_args.report_to or () if name not in get_available_reporting_integrations()]
+    if missing:  # else the Trainer's RuntimeError, after the data is read and the tokenizer trained
+        raise ValueError(f"--report_to {' '.join(missing)}: not installed here (installed: "
+                         f"{', '.join(get_available_reporting_integrations()) or 'none'}; --report_to none: no integration)")
+
+
+def _check_resume(resume: str) -> None:
+    kind = "checkpoint-N folder of an earlier run with --save_strategy steps or epoch"
+    if not os.path.isdir(resume):
+        raise ValueError(f"--resume_from_checkpoint {resume}: no such checkpoint directory (a {kind})")
+    if not os.path.isfile(os.path.join(resume, "trainer_state.json")):  # a run's output_dir, say
+        steps = sorted((int(n.split("-")[1]), n) for n in os.listdir(resume)
+                       if n.startswith("checkpoint-") and n.split("-")[1].isdigit())
+        hint = f": the latest one in it is {os.path.join(resume, steps[-1][1])}" if steps else ""
+        raise ValueError(f"--resume_from_checkpoint {resume} is no checkpoint (no trainer_state.json): give a {kind}{hint}")
+
+
+def _check_output_dir(output_dir: str | None) -> None:
+    """A path the job can write into, named now (else an OSError from the Trainer after the data is read)."""
+    if not output_dir:
+        raise ValueError("--output_dir is empty: give the directory to write the model and metrics to")
+    path = os.path.abspath(output_dir)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"--output_dir {output_dir}: {path} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--output_dir {output_dir}: {path} is not writable")
 
 
 def fuse_label_smoothing(loss_args, training_args) -> None:
@@ -289,7 +321,9 @@ def fuse_label_smoothing(loss_args, training_args) -> None:
     factor = training_args.label_smoothing_factor
     if not factor:
         return
-    if loss_args.label_smoothing and loss_args.label_smoothing != factor:
+    if not 0 <= factor <= 1:
+        raise ValueError(f"--label_smoothing_factor {factor} must be in [0, 1]")
+    if loss_args.label_smoothing is not None and loss_args.label_smoothing != factor:  # an explicit 0 too
         raise ValueError(f"--label_smoothing_factor {factor} and --label_smoothing {loss_args.label_smoothing} "
                          "disagree; they are the same option here (the fused loss smooths), give one")
     loss_args.label_smoothing = factor

@@ -28,12 +28,15 @@ _MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "m
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "hf_mhce.json")
 
 
-def build_tokenizer(model_args, texts, config=None):
-    """--tokenizer, else --model's (an adapter's base model's), else a BPE trained on ``texts``;
-    checked against the vocabulary of --model's ``config``."""
-    from ..rbe.data import load_tokenizer, remote_code_option
+def build_tokenizer(model_args, texts, config=None, resume: str | None = None):
+    """--tokenizer, else --model's (an adapter's base model's), else the one saved in the checkpoint ``resume``
+    (its weights embed that one's ids: a BPE trained again would renumber them), else a BPE trained on
+    ``texts``; checked against the vocabulary of --model's ``config``."""
+    from ..rbe.data import has_tokenizer_files, load_tokenizer, remote_code_option
 
     if not (model_args.tokenizer or model_args.model):
+        if resume and has_tokenizer_files(resume):
+            return load_tokenizer(resume, None, False)[0]
         return corpus.train_tokenizer(texts, model_args.vocab_size)
     with remote_code_option(TRUST_REMOTE_CODE):
         tok, source = load_tokenizer(model_args.tokenizer, model_args.model, model_args.trust_remote_code)
@@ -44,6 +47,14 @@ def build_tokenizer(model_args, texts, config=None):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def best_by_first_eval_loss(training_args, eval_names: list[str]) -> None:
+    """--load_best_model_at_end compares TrainingArguments' default metric "loss", but with a dict of eval sets
+    the Trainer logs ``eval_<set>_loss`` (a KeyError at the first save, after training): "loss" is read as the
+    first eval set's."""
+    if training_args.metric_for_best_model in ("loss", "eval_loss") and eval_names:
+        training_args.metric_for_best_model = f"eval_{eval_names[0]}_loss"
 
 
 def build_model(model_args, loss_args, lora_args, tokenizer, saved=None):
@@ -182,16 +193,20 @@ def final_evaluation(trainer, names: list[str], rbe_history: list[dict]) -> dict
 
 
 def run(model_args, data_args, loss_args, lora_args, training_args) -> dict:
+    """The job on parsed options (``hf_mhce.train.parse``): check them, read the data, build or load the model,
+    train with RBECallback, evaluate, save the model, tokenizer and metrics.json to --output_dir; returns the
+    summary ``main`` documents."""
     from transformers import Trainer, default_data_collator, set_seed
 
     started = time.time()
     with refusing():
         check_schedule(training_args)
+        fuse_label_smoothing(loss_args, training_args)  # first: the fused value is checked with the others
         saved, config = check_arguments(model_args, data_args, loss_args, lora_args, training_args.resume_from_checkpoint)
-        fuse_label_smoothing(loss_args, training_args)
         set_seed(training_args.seed)
         train_texts, eval_texts = build_datasets(data_args)
-        tokenizer = build_tokenizer(model_args, train_texts, config)
+        tokenizer = build_tokenizer(model_args, train_texts, config, training_args.resume_from_checkpoint)
+        best_by_first_eval_loss(training_args, list(eval_texts))
         block = data_args.block_size
         train_ds = corpus.lm_dataset(corpus.token_blocks(train_texts, tokenizer, block, data_args.max_train_blocks),
                                      "the training set")

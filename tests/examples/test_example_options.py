@@ -109,3 +109,15 @@ def test_fused_ops_odd_sizes_run(capsys, monkeypatch):
     load("fused_ops").main()
     out = capsys.readouterr().out
     assert "CE    fused" in out and "(H=3)" in out and "shape (1, 7)" in out
+
+
+@pytest.mark.parametrize("script", ["toy_language", "mhce_vs_ce", "rbe_scaling"])
+def test_examples_whose_result_is_a_figure_need_matplotlib_before_any_work(script, tmp_path, capsys, monkeypatch):
+    """Without the plot extra, hf-mhce train's runs go without their plots; the sweeps' and the toy experiment's own
+    figure then failed after all the training (toy_language: ModuleNotFoundError)."""
+    from hf_mhce.rbe import plots
+
+    monkeypatch.setattr(plots, "available", lambda: False)
+    _usage_error(capsys, "need matplotlib: pip install 'hf-mhce[plot]'", load(script).parse_args,
+                 ["--quick", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -145,6 +145,21 @@ def test_dataset_paths(ckpt, tmp_path, capsys):
             **want, "dataset": str(tmp_path / name)}
 
 
+def test_unreadable_data_is_named_not_a_traceback(ckpt, tmp_path, capsys):
+    """datasets' json reader keeps bytes that are not UTF-8 (the column failed with UnicodeDecodeError as it was
+    read); a folder with a malformed file failed inside datasets (DatasetGenerationError)."""
+    root, _ = ckpt
+    model = ("--block-size", 16)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9 au lait"}\n' * 20)
+    msg = refused(root / "gpt2", "--dataset", tmp_path / "latin1.jsonl", *model, capsys=capsys)
+    assert "column 'text' is not UTF-8 text ('utf-8' codec can't decode byte 0xe9" in msg
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "a.jsonl").write_text('{"text": "a good row"}\n' * 20)
+    (tmp_path / "bad" / "b.jsonl").write_text('{"text": "ok"}\n{not json\n')
+    msg = refused(root / "gpt2", "--dataset", tmp_path / "bad", *model, capsys=capsys)
+    assert f"could not read {str(tmp_path / 'bad')!r}: JSON parse error" in msg
+
+
 def test_split_of_single_file_is_refused_not_ignored(ckpt, tmp_path, capsys):
     root, _ = ckpt
     msg = refused(root / "gpt2", "--dataset", root / "c.txt", "--split", "validation", "--block-size", 16,

@@ -232,6 +232,35 @@ def test_help_shows_the_jobs_own_defaults(capsys, monkeypatch):
     assert (args.warmup_steps, args.eval_steps, args.learning_rate, args.max_steps) == (0.1, 0.5, 3e-3, 600)
 
 
+def test_plots_by_default_only_where_matplotlib_is_installed(capsys, monkeypatch, tmp_path):
+    """A plain `pip install hf-mhce` (no [plot] extra) ran `hf-mhce train` into a usage error: plots were on by
+    default and refused without matplotlib.  Now the default follows matplotlib, an explicit --rbe_plots is still
+    refused without it, and --no_rbe_plots has a help of its own (it repeated --rbe_plots' text)."""
+    from hf_mhce.rbe import plots
+    from hf_mhce.train.arguments import check_arguments
+
+    monkeypatch.setattr(plots, "available", lambda: False)
+    (tmp_path / "o.yaml").write_text("max_steps: 3\n")
+    for argv in ([], [str(tmp_path / "o.yaml")]):
+        assert parse(argv)[2].rbe_plots is False
+        assert "no RBE plots: matplotlib is not installed (pip install 'hf-mhce[plot]')" in capsys.readouterr().err
+    asked = parse(["--rbe_plots"])
+    assert asked[2].rbe_plots is True and capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match=re.escape("RBE plots need matplotlib: pip install 'hf-mhce[plot]', or pass")):
+        check_arguments(*asked[:4])
+    assert parse(["--no_rbe_plots"])[2].rbe_plots is False and capsys.readouterr().err == ""
+    monkeypatch.undo()
+    assert parse([])[2].rbe_plots is True and capsys.readouterr().err == ""
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    out = capsys.readouterr().out
+    assert re.search(r"--no_rbe_plots, --no-rbe-plots\s+set --rbe_plots to false\n", out)
+    assert re.search(r"--no_remove_unused_columns, --no-remove-unused-columns\s+set --remove_unused_columns to false\n",
+                     out)
+
+
 def test_tokenizer_and_split_problems_are_named(plain, tmp_path):
     from hf_mhce.rbe.data import DataError
 
