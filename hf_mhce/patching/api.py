@@ -17,6 +17,7 @@ from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, mirro
 from .head import UnsupportedHeadError, resolve_head
 from .methods import (accelerate_autocast, accelerate_wrapper_around_patch, adopt_trl_head, bind_forward, forward_attr,
                       install, live_attr, reaches_patched_forward, remove, wrap_as_accelerate)
+from .methods import uncompiled as _uncompiled
 from .methods import unwrap as _unwrap
 from .probe import foreign_forward, foreign_params, original_forward, verify
 from .sharding import full_shape
@@ -146,7 +147,7 @@ def unpatch(model):
         target.__dict__[attr] = types.MethodType(type(target).forward, target)
     else:
         target.__dict__.pop(attr, None)
-    for holder in (target, model):
+    for holder in {target, _uncompiled(model)}:  # a PeftModel inside a compile wrapper holds its own
         remove(holder)
     restore_attr(target, _ACCEPTS, state.original_accepts)
     if state.original_config is ABSENT:

@@ -70,7 +70,7 @@ def foreign_params(model: nn.Module, forward) -> dict:
             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
 
 
-@torch.inference_mode(False)  # the check needs a graph whatever the caller runs in (rbe.evaluate: inference mode)
+@torch.inference_mode(False)  # the check needs a graph, also where a caller patches under inference_mode
 def verify(model: nn.Module, out_cls, facts, router, forward, signature, positional) -> str | None:
     """None if the generic forward reproduces ``forward`` on the probe's inputs, else what differs."""
     from .config import LossConfig
@@ -175,7 +175,8 @@ def _buffer_snapshot(model):
 def _restore_buffers(snapshot) -> None:
     for buffer, saved in snapshot:
         if buffer.shape == saved.shape:
-            buffer.copy_(saved)
+            with torch.inference_mode(buffer.is_inference()):  # a model built under inference_mode has such buffers
+                buffer.copy_(saved)
 
 
 # transformers installs output-capturing forward hooks, local closures that pickle cannot save, on the

@@ -147,7 +147,7 @@ def _typed(options: dict, parser, path: str) -> dict:
             if not isinstance(value, bool):
                 wrong("true or false")
         elif kind is int:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
                 wrong("an integer")
             typed[name] = int(value)
         elif kind is float:

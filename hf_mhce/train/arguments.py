@@ -280,8 +280,15 @@ def check_schedule(training_args) -> None:
         _check_resume(resume)
     _check_output_dir(training_args.output_dir)
     from transformers.integrations import get_available_reporting_integrations
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
-    missing = [name for name in training_args.report_to or () if name not in get_available_reporting_integrations()]
+    unknown = [name for name in training_args.report_to or () if name not in INTEGRATION_TO_CALLBACK]
+    if unknown:
+        raise ValueError(f"--report_to {' '.join(unknown)}: no such integration (one of "
+                         f"{', '.join(INTEGRATION_TO_CALLBACK)}, all, none)")
+    # flyte and azure_ml are supported but not listed as available (azure_ml not beside mlflow): left to the Trainer
+    missing = [name for name in training_args.report_to or ()
+               if name not in get_available_reporting_integrations() and name not in ("flyte", "azure_ml")]
     if missing:  # else the Trainer's RuntimeError, after the data is read and the tokenizer trained
         raise ValueError(f"--report_to {' '.join(missing)}: not installed here (installed: "
                          f"{', '.join(get_available_reporting_integrations()) or 'none'}; --report_to none: no integration)")

@@ -48,3 +48,13 @@ def test_evaluate_and_the_callback_see_through_the_wrapper(tmp_path):
         metrics[name] = {k: v for k, v in trainer.evaluate().items() if "_rbe_" in k}
     assert metrics["eager"]["eval_rbe_num_tokens"] > 0
     assert metrics["compiled"] == pytest.approx(metrics["eager"])
+
+
+def test_unpatch_of_a_compiled_peft_model_removes_what_the_peft_model_held():
+    from peft import LoraConfig, get_peft_model
+
+    peft = apply_patch(get_peft_model(make_model("llama"), LoraConfig(r=2, target_modules=["q_proj"])), loss="ce")
+    assert "save_pretrained" in peft.__dict__
+    torch._dynamo.reset()
+    unpatch(torch.compile(peft, backend="eager"))
+    assert not is_patched(peft) and "save_pretrained" not in peft.__dict__ and not peft._forward_pre_hooks

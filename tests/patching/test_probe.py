@@ -319,7 +319,7 @@ def test_a_soft_cap_the_table_does_not_know_is_refused(monkeypatch):
 
 
 def test_the_check_runs_inside_inference_mode():
-    """The probe needs a graph: under the caller's inference_mode (rbe.evaluate's) it ran on inference tensors and
+    """The probe needs a graph: under a caller's inference_mode it ran on inference tensors and
     refused a faithful override ("cannot be saved for backward"); a re-check there unpatched an MHCE model."""
     ref, model = build(LlamaForCausalLM), build(Same)
     with torch.inference_mode():

@@ -45,6 +45,8 @@ def test_a_reporting_integration_that_is_not_installed_is_named(tmp_path, monkey
     assert "wandb" not in get_available_reporting_integrations()
     _refused_before_data(monkeypatch, "--report_to wandb: not installed here", "--output_dir", str(tmp_path / "o"),
                          "--report_to", "wandb")
+    _refused_before_data(monkeypatch, "--report_to tensorbord: no such integration (one of", "--output_dir",
+                         str(tmp_path / "o"), "--report_to", "tensorbord")
 
 
 def test_resuming_from_a_folder_that_is_no_checkpoint_names_the_checkpoint_in_it(tmp_path, monkeypatch):
@@ -74,6 +76,7 @@ def test_label_smoothing_options_are_checked_together_before_any_data(tmp_path, 
 
 @pytest.mark.parametrize("body,message", [
     ("block_size: 16.5", "block_size: 16.5 is not an integer"),
+    ("max_steps: .inf", "max_steps: inf is not an integer"),  # was an OverflowError traceback
     ("block_size: null", "block_size is empty (null): give a value, or leave it out for its default"),
     ("max_steps: true", "max_steps: True is not an integer"),
     ("learning_rate: [1]", "learning_rate: [1] is not a number"),
