@@ -69,7 +69,7 @@ def check_sweep_args(p: argparse.ArgumentParser, args) -> None:
     from hf_mhce.rbe import plots
 
     if not plots.available():
-        p.error(plots.MISSING.replace("RBE plots", "the sweep's figure"))
+        p.error(f"the sweep's figure and its runs' RBE plots need matplotlib: {plots.INSTALL}")
     for name in ("workers", "threads", "steps"):
         if getattr(args, name, None) is not None and getattr(args, name) < 1:
             p.error(f"--{name} {getattr(args, name)} must be at least 1")

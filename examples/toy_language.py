@@ -340,7 +340,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from hf_mhce.rbe import plots
 
     if not plots.available():  # the figure is this experiment's result: say so before training, not after
-        p.error(f"{plots.MISSING.replace('RBE plots', 'the figure')}")
+        p.error(f"the result's plots need matplotlib: {plots.INSTALL}")
     base = QUICK if args.quick else DEFAULT
     for k, v in base.items():
         if getattr(args, k) is None:

@@ -157,7 +157,8 @@ class RBECallback(TrainerCallback):
             self._running = None  # an earlier evaluation that raised before its log is no part of this one
         # the batch of the last forward under the adapters the model has now, which TRL's reference forward
         # (adapter disabled or switched, after the policy's) has not
-        self._batch, self._labels, _ = self._forwards.get(_adapter_state(self._model if self._model is not None else model), ([], None, None))
+        running = self._model if self._model is not None else model  # not `or`: a compile wrapper has no truth value
+        self._batch, self._labels, _ = self._forwards.get(_adapter_state(running), ([], None, None))
         self._forwards = {}
         if self._batch:
             ranks = torch.cat([r for r, _ in self._batch])

@@ -159,8 +159,8 @@ def evaluate(model, data, *, batch_size: int = 8, device: str | torch.device | N
         integer token ids, or whose labels or attention_mask do not have one entry per input id, is
         named by its index (in ``data`` where that has indexing).
     A model inside ``nn.DataParallel``, ``DistributedDataParallel`` or a ``DeepSpeedEngine`` is evaluated
-    through ``model.module`` (inside ``torch.compile``'s wrapper: the model it holds, eagerly); an FSDP1 root wrapper is refused (FSDP2's ``fully_shard`` works).  An
-    unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
+    through ``model.module``, one inside ``torch.compile``'s wrapper eagerly as the model it holds; an FSDP1
+    root wrapper is refused (FSDP2's ``fully_shard`` works).  An unpatched model is patched for the evaluation with its saved hf_mhce config (else plain
     cross-entropy) and restored afterwards; the ranks come from the fused loss sweep.
     Distributed: give each process its share of the rows (e.g. a DistributedSampler); the
     statistics are summed over the processes.  A DistributedSampler pads a set whose size is not

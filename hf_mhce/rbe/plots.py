@@ -9,7 +9,8 @@ import torch
 from .stats import RBEStats
 
 
-MISSING = "RBE plots need matplotlib: pip install 'hf-mhce[plot]'"
+INSTALL = "pip install 'hf-mhce[plot]'"
+MISSING = f"RBE plots need matplotlib: {INSTALL}"
 
 
 def available() -> bool:

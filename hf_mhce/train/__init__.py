@@ -89,8 +89,7 @@ def _plots_if_installed(parsed, given: set) -> None:
     for args in parsed:
         if getattr(args, "rbe_plots", False) and not plots.available():
             args.rbe_plots = False
-            print(f"{PROG}: no RBE plots: matplotlib is not installed ({plots.MISSING.split(': ', 1)[1]})",
-                  file=sys.stderr)
+            print(f"{PROG}: no RBE plots: matplotlib is not installed ({plots.INSTALL})", file=sys.stderr)
 
 
 def _file_options(path: str, parser) -> dict:
@@ -117,10 +116,6 @@ def _typed(options: dict, parser, path: str) -> dict:
     "false" was a true --rbe_plots, and block_size 16.5, block_size null or a list of LoRA modules were
     tracebacks).  A number where text is expected becomes its text, as on the command line; a list of
     --lora_target_modules is joined with commas."""
-    from argparse import ArgumentTypeError
-
-    from transformers.hf_argparser import string_to_bool
-
     actions = {a.dest: a for a in parser._actions if a.option_strings and not a.option_strings[0].startswith("--no_")}
     admitted = _admitted(parser)
     typed = dict(options)
@@ -129,40 +124,47 @@ def _typed(options: dict, parser, path: str) -> dict:
         if action is None or action.nargs in ("+", "*") or (isinstance(value, (list, dict)) and
                                                            type(value) in admitted.get(name, ())):
             continue  # unknown names are parse_dict's error; a list or dict where the field takes one is passed on
-        kind = action.type
-
-        def wrong(expected: str):
-            parser.error(f"{path}: {name}: {value!r} is not {expected}")
-
-        if value is None:
-            if type(None) not in admitted.get(name, {type(None)}):
-                parser.error(f"{path}: {name} is empty (null): give a value, or leave it out for its default")
-        elif isinstance(value, str):
-            if kind in (int, float, string_to_bool):
-                try:
-                    typed[name] = kind(value)
-                except (ArgumentTypeError, TypeError, ValueError) as err:
-                    parser.error(f"{path}: {name}: {value!r}: {err}")
-        elif kind is string_to_bool:
-            if not isinstance(value, bool):
-                wrong("true or false")
-        elif kind is int:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
-                wrong("an integer")
-            typed[name] = int(value)
-        elif kind is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                wrong("a number")
-            typed[name] = float(value)
-        elif isinstance(value, list) and name == "lora_target_modules" and all(isinstance(v, str) for v in value):
-            typed[name] = ",".join(value)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            typed[name] = str(value)
-        else:
-            wrong("a string")
+        try:
+            typed[name] = _file_value(name, value, action.type, type(None) in admitted.get(name, {type(None)}))
+        except ValueError as err:
+            parser.error(f"{path}: {err}")
         if action.choices and typed[name] is not None and typed[name] not in action.choices:
             parser.error(f"{path}: {name}: {typed[name]!r} is not one of {', '.join(map(str, action.choices))}")
     return typed
+
+
+def _file_value(name: str, value, kind, nullable: bool):
+    """One options-file value as the command line would give it to an option of argparse type ``kind``;
+    ValueError names what is wrong."""
+    from argparse import ArgumentTypeError
+
+    from transformers.hf_argparser import string_to_bool
+
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if value is None:
+        if not nullable:
+            raise ValueError(f"{name} is empty (null): give a value, or leave it out for its default")
+        return None
+    if isinstance(value, str):
+        if kind not in (int, float, string_to_bool):
+            return value
+        try:
+            return kind(value)
+        except (ArgumentTypeError, TypeError, ValueError) as err:
+            raise ValueError(f"{name}: {value!r}: {err}") from None
+    if kind is string_to_bool and isinstance(value, bool):
+        return value
+    if kind is int and number and float(value).is_integer():
+        return int(value)
+    if kind is float and number:
+        return float(value)
+    if kind not in (int, float, string_to_bool):
+        if isinstance(value, list) and name == "lora_target_modules" and all(isinstance(v, str) for v in value):
+            return ",".join(value)
+        if number:
+            return str(value)
+    expected = {string_to_bool: "true or false", int: "an integer", float: "a number"}.get(kind, "a string")
+    raise ValueError(f"{name}: {value!r} is not {expected}")
 
 
 def _admitted(parser) -> dict[str, set]:

@@ -279,19 +279,25 @@ def check_schedule(training_args) -> None:
     if resume:  # else the Trainer says so after the data is read and the model built
         _check_resume(resume)
     _check_output_dir(training_args.output_dir)
+    _check_report_to(training_args.report_to or [])
+
+
+def _check_report_to(names: list[str]) -> None:
+    """Integrations that do not exist or are not installed (else the Trainer's RuntimeError, after the data is
+    read and the tokenizer trained); ``names`` as TrainingArguments resolved them ("all" -> the installed ones)."""
     from transformers.integrations import get_available_reporting_integrations
     from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
-    unknown = [name for name in training_args.report_to or () if name not in INTEGRATION_TO_CALLBACK]
+    unknown = [name for name in names if name not in INTEGRATION_TO_CALLBACK]
     if unknown:
         raise ValueError(f"--report_to {' '.join(unknown)}: no such integration (one of "
                          f"{', '.join(INTEGRATION_TO_CALLBACK)}, all, none)")
+    installed = get_available_reporting_integrations()
     # flyte and azure_ml are supported but not listed as available (azure_ml not beside mlflow): left to the Trainer
-    missing = [name for name in training_args.report_to or ()
-               if name not in get_available_reporting_integrations() and name not in ("flyte", "azure_ml")]
-    if missing:  # else the Trainer's RuntimeError, after the data is read and the tokenizer trained
+    missing = [name for name in names if name not in installed and name not in ("flyte", "azure_ml")]
+    if missing:
         raise ValueError(f"--report_to {' '.join(missing)}: not installed here (installed: "
-                         f"{', '.join(get_available_reporting_integrations()) or 'none'}; --report_to none: no integration)")
+                         f"{', '.join(installed) or 'none'}; --report_to none: no integration)")
 
 
 def _check_resume(resume: str) -> None:
