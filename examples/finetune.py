@@ -74,8 +74,8 @@ CODE_MODULES = ("argparse", "calendar", "configparser", "csv", "dataclasses", "d
 # --quick: what the test runs; options given on the command line still win.  Fine-tuning evaluates at
 # the start, at its last step (each evaluation writes the RBE plots) and at the end.
 DEFAULT_OUTPUT_DIR = "<out>/model"
-QUICK = ["--vocab_size", "300", "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64",
-         "--block_size", "32", "--max_train_blocks", "64", "--max_eval_blocks", "8", "--max_steps", "6",
+QUICK_SIZES = ["--vocab_size", "300", "--hidden_size", "32", "--num_hidden_layers", "1", "--intermediate_size", "64"]
+QUICK = ["--block_size", "32", "--max_train_blocks", "64", "--max_eval_blocks", "8", "--max_steps", "6",
          "--eval_steps", "6", "--logging_steps", "3", "--per_device_train_batch_size", "4",
          "--per_device_eval_batch_size", "4", "--pretrain_steps", "6", "--warmup_steps", "1"]
 
@@ -117,13 +117,15 @@ PROG = "finetune.py"
 
 def parse(argv: list[str]):
     """The dataclasses, as ``hf-mhce train`` parses (a bad option is a usage error, exit status 2; a
-    single .json / .yaml file may hold the options); --quick puts QUICK before the command line."""
+    single .json / .yaml file may hold the options); --quick puts QUICK (and QUICK_SIZES, without --model) before
+    the command line."""
     args = parse_options(argv, ARGUMENTS, PROG, __doc__.split("\n")[0])
     if args[0].quick:
         if len(argv) == 1 and not argv[0].startswith("--"):
             usage_error("--quick is a command-line option (it puts the reduced sizes before the others); "
                         "leave it out of the options file")
-        args = parse_options(QUICK + argv, ARGUMENTS, PROG, __doc__.split("\n")[0])  # later options win
+        sizes = [] if args[1].model else QUICK_SIZES  # the pretraining's model; a --model has its own
+        args = parse_options(sizes + QUICK + argv, ARGUMENTS, PROG, __doc__.split("\n")[0])  # later options win
     if args[-1].output_dir == DEFAULT_OUTPUT_DIR:
         args[-1].output_dir = os.path.join(args[0].out, "model")
     return args

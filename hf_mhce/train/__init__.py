@@ -75,7 +75,17 @@ def _parsed(parser, argv: list[str] | None) -> tuple:
     if "num_train_epochs" in given and "max_steps" not in given:  # else the job's default max_steps wins
         parsed[-1].max_steps = -1
     _plots_if_installed(parsed, given)
+    _say_unused(parsed, given, parser.prog)
     return tuple(parsed)
+
+
+def _say_unused(parsed, given: set, prog: str) -> None:
+    from .arguments import unused_options
+
+    model_args = next((args for args in parsed if isinstance(args, ModelArguments)), None)
+    if model_args is not None:
+        for note in unused_options(model_args, given, parsed[-1].resume_from_checkpoint):
+            print(f"{prog}: {note}", file=sys.stderr)
 
 
 def _plots_if_installed(parsed, given: set) -> None:

@@ -240,6 +240,30 @@ def check_arguments(model_args, data_args, loss_args, lora_args, resume: str | N
     return saved, config
 
 
+SIZE_OPTIONS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def unused_options(model_args, given: set, resume: str | None) -> list[str]:
+    """What the options ``given`` (as written) set but the run does not use: the default Llama's sizes beside
+    --model, and --vocab_size where a tokenizer is loaded (--tokenizer's, --model's or the resumed checkpoint's)
+    instead of trained.  Said, not refused: options shared by a sweep's runs may size the ones without --model."""
+    from ..rbe.data import has_tokenizer_files
+
+    notes = []
+    sizes = [f"--{name}" for name in SIZE_OPTIONS if name in given]
+    if sizes and model_args.model:
+        notes.append(f"{', '.join(sizes)} not used: they size the default Llama, and --model {model_args.model} "
+                     "has its own sizes")
+    if "vocab_size" in given:
+        tokenizer = (f"--tokenizer {model_args.tokenizer}" if model_args.tokenizer
+                     else f"the tokenizer of --model {model_args.model}" if model_args.model
+                     else f"the tokenizer saved in {resume}" if resume and has_tokenizer_files(resume) else None)
+        if tokenizer:
+            notes.append(f"--vocab_size not used: it sizes the BPE trained when no tokenizer is given, and this run "
+                         f"loads {tokenizer}")
+    return notes
+
+
 def check_lora_options(lora_args) -> None:
     if lora_args.lora_r < 0:
         raise ValueError(f"--lora_r {lora_args.lora_r} must be >= 0 (0 trains the full model)")

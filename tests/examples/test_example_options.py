@@ -121,3 +121,11 @@ def test_examples_whose_result_is_a_figure_need_matplotlib_before_any_work(scrip
     _usage_error(capsys, "need matplotlib: pip install 'hf-mhce[plot]'", load(script).parse_args,
                  ["--quick", "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_finetune_quick_sizes_only_the_model_it_pretrains(tmp_path, capsys):
+    """--quick's reduced sizes were given with a --model too, which does not use them (a note on stderr)."""
+    finetune = load("finetune")
+    _, model_args, *_ = finetune.parse(["--quick", "--model", "some/model", "--out", str(tmp_path)])
+    assert model_args.hidden_size != 32 and "not used" not in capsys.readouterr().err
+    assert finetune.parse(["--quick", "--out", str(tmp_path)])[1].hidden_size == 32

@@ -126,3 +126,27 @@ def test_resuming_without_model_or_tokenizer_keeps_the_checkpoints_tokenizer(tmp
     _run(tmp_path / "o", "--dataset", str(data), "--resume_from_checkpoint", str(checkpoint), "--eval_fraction", "0.3")
     assert (AutoTokenizer.from_pretrained(tmp_path / "o").get_vocab()
             == AutoTokenizer.from_pretrained(checkpoint).get_vocab())
+
+
+def test_options_the_run_does_not_use_are_named(tmp_path, capsys):
+    """The default Llama's sizes beside --model, and --vocab_size where a tokenizer is loaded, were ignored
+    silently; they are named on stderr (a sweep's shared options may carry them, so not refused)."""
+    parse(["--model", "some/model", "--hidden_size", "64", "--intermediate_size", "96", "--vocab_size", "500"])
+    err = capsys.readouterr().err
+    assert "--hidden_size, --intermediate_size not used: they size the default Llama, and --model some/model" in err
+    assert "--vocab_size not used: it sizes the BPE trained when no tokenizer is given, and this run loads the " \
+           "tokenizer of --model some/model" in err
+    parse(["--tokenizer", "my/tok", "--vocab_size", "500"])
+    assert "this run loads --tokenizer my/tok" in capsys.readouterr().err
+    (tmp_path / "checkpoint-2").mkdir()
+    (tmp_path / "checkpoint-2" / "tokenizer.json").write_text("{}")
+    parse(["--vocab_size", "500", "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")])
+    assert f"loads the tokenizer saved in {tmp_path / 'checkpoint-2'}" in capsys.readouterr().err
+    options = tmp_path / "options.json"
+    options.write_text(json.dumps({"model": "some/model", "num_hidden_layers": 3}))
+    parse([str(options)])
+    assert "--num_hidden_layers not used" in capsys.readouterr().err
+    # used, or not given: nothing said
+    parse(["--hidden_size", "64", "--vocab_size", "500", "--resume_from_checkpoint", str(tmp_path)])
+    parse(["--model", "some/model", "--block_size", "32"])
+    assert "not used" not in capsys.readouterr().err
