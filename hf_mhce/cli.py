@@ -297,7 +297,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [h for h in getattr(args, "heads", ()) if args.hidden % h]
     if bad:  # a usage error, as every other bad option
         parser.error(f"--heads {bad}: every head count must divide --hidden {args.hidden}")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except SystemExit as err:  # a refusal of the checkpoint or the data: as a usage error, like hf-mhce train's
+        if not isinstance(err.code, str):
+            raise
+        prog = f"{parser.prog} {args.command}"
+        print(f"{prog}: error: {err.code.removeprefix(prog + ': ')}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _dashed(arg: str) -> str:

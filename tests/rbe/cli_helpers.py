@@ -59,11 +59,13 @@ def run_rbe(*argv, tmp_path):
 
 
 def refused(*argv, capsys) -> str:
-    """The message of a refusal: SystemExit's own, or argparse's on stderr."""
+    """The message of a refusal, on stderr as argparse's usage errors, with their exit status 2 (a refusal of
+    the checkpoint or the data exited 1 with the bare message, where hf-mhce train's exit 2)."""
     with pytest.raises(SystemExit) as info:
         main(["rbe", *map(str, argv), "--no-progress", "--device", "cpu"])
-    assert info.value.code not in (0, None)
-    return str(info.value.code) + capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "hf-mhce rbe: error: " in err and "hf-mhce rbe: hf-mhce rbe" not in err, err
+    return err
 
 
 def text_stream(tok, text=TEXT):
