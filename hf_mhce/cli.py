@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     rbe.add_argument("model", help="checkpoint directory or hub id (loaded with hf_mhce.from_pretrained)")
     rbe.add_argument("--dataset", required=True,
                      help="a datasets name, a saved dataset directory, a folder of data files, or a file: "
-                          ".txt/.json/.jsonl/.csv/.parquet read by type, any other text file as plain text "
+                          ".txt/.json/.jsonl/.csv/.parquet read by type, any other text file as plain text, each also "
+                          "as .gz/.bz2/.xz "
                           "(a text file is one document: EOS between files, never between its lines)")
     rbe.add_argument("--dataset-config", default=None)
     rbe.add_argument("--split", default=None,

@@ -3,13 +3,18 @@ tokenised and cut into blocks of a fixed number of tokens."""
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import contextlib
+import gzip
+import lzma
 import os
 
 from ..patching.config import adapter_base
 
 _FILE_TYPES = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# compressed files datasets' loaders read as they are (data.jsonl.gz), opened here with the same codec
+_COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 # A name ending like this, or written as a path, is a local file even when it does not exist: never
 # sent to the Hub (whose ids are "name" or "owner/name"), where it would only fail after retries.
 _PATH_SUFFIXES = (*_FILE_TYPES, ".md", ".text", ".rst", ".log", ".tsv", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip")
@@ -73,12 +78,12 @@ def load_texts(path_or_name: str, split: str | None = None, config: str | None =
     hub/local dataset name.
 
     A file ending in .txt/.json/.jsonl/.csv/.parquet is read by datasets' loader for that type, any
-    other UTF-8 text file as plain text; a plain text file is one row (a document), as is each file of
-    a folder of .txt files.  A folder mixing types (.txt and .jsonl, say) is refused: datasets would
-    read one type and drop the others.  ``split`` (default "test") picks a split of
-    a dataset with splits; a single file or a saved Dataset has none and is read whole, so a split
-    other than "train" (datasets' name for it) is refused rather than ignored.  ``split_option``: the
-    caller's name for ``split`` in messages.
+    other UTF-8 text file as plain text, each also when gzip/bzip2/xz-compressed (data.jsonl.gz); a
+    plain text file is one row (a document), as is each file of a folder of .txt files.  A folder
+    mixing types (.txt and .jsonl, say) is refused: datasets would read one type and drop the others.
+    ``split`` (default "test") picks a split of a dataset with splits; a single file or a saved Dataset
+    has none and is read whole, so a split other than "train" (datasets' name for it) is refused rather
+    than ignored.  ``split_option``: the caller's name for ``split`` in messages.
     """
     import datasets
 
@@ -126,14 +131,18 @@ def _load_file(name: str, path: str, split: str | None, split_option: str):
     import datasets
 
     _check_whole(name, split, "a single file", split_option)
-    if not _has_text(path):
-        raise DataError(f"no text in {name!r}: the file is empty or holds only whitespace")
-    kind = _FILE_TYPES.get(os.path.splitext(path)[1].lower())
-    if kind is None:
-        if not _is_utf8_text(path):
-            raise DataError(f"{name!r} is neither a text file nor one of the data files datasets reads "
-                            f"({', '.join(sorted(_FILE_TYPES))}): convert it to one of them")
-        kind = "text"
+    try:
+        if not _has_text(path):
+            raise DataError(f"no text in {name!r}: the file is empty or holds only whitespace")
+        kind = _FILE_TYPES.get(_extension(path))
+        if kind is None:
+            if not _is_utf8_text(path):
+                raise DataError(f"{name!r} is neither a text file nor one of the data files datasets reads "
+                                f"({', '.join(sorted(_FILE_TYPES))}, each may be {'/'.join(_COMPRESSED)}-compressed): "
+                                "convert it to one of them")
+            kind = "text"
+    except (OSError, EOFError, lzma.LZMAError) as err:  # a corrupt or truncated compressed file
+        raise DataError(f"could not decompress {name!r}: {err}") from None
     try:
         return datasets.load_dataset(kind, data_files=path, split=_WHOLE, **(_TEXT_OPTIONS if kind == "text" else {}))
     except datasets.exceptions.DatasetGenerationError as err:  # the cause names the parse error
@@ -157,8 +166,18 @@ def _check_whole(name: str, split: str | None, what: str, split_option: str) -> 
                         f"(got {split!r})")
 
 
+def _extension(path: str) -> str:
+    """The extension of the data inside: ".jsonl" for data.jsonl.gz."""
+    stem, ext = os.path.splitext(path.lower())
+    return os.path.splitext(stem)[1] if ext in _COMPRESSED else ext
+
+
+def _open(path: str):
+    return _COMPRESSED.get(os.path.splitext(path.lower())[1], open)(path, "rb")
+
+
 def _has_text(path: str) -> bool:
-    with open(path, "rb") as f:
+    with _open(path) as f:
         while chunk := f.read(1 << 16):
             if chunk.strip():
                 return True
@@ -166,7 +185,7 @@ def _has_text(path: str) -> bool:
 
 
 def _is_utf8_text(path: str) -> bool:
-    with open(path, "rb") as f:
+    with _open(path) as f:
         head = f.read(1 << 16)
     try:  # incremental: a character cut at the end of the sample is not an error
         codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
@@ -209,7 +228,7 @@ def _data_file_kinds(directory: str) -> dict[str, set[str]]:
     kinds: dict[str, set[str]] = {}
     for _, _, files in os.walk(directory):
         for f in files:
-            ext = os.path.splitext(f)[1].lower()
+            ext = _extension(f)
             if ext in known:
                 kinds.setdefault(known[ext], set()).add(ext)
     return kinds

@@ -32,8 +32,9 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     dataset: str | None = field(default=None, metadata={
-        "help": "datasets name, saved dataset directory or text/json/csv/parquet file; default: the embedded "
-                "corpus (Python's documentation from pydoc_data.topics) with stdlib source as a second eval set"})
+        "help": "datasets name, saved dataset directory or text/json/csv/parquet file (or .gz/.bz2/.xz of one); "
+                "default: the embedded corpus (Python's documentation from pydoc_data.topics) with stdlib source as a "
+                "second eval set"})
     dataset_config: str | None = field(default=None, metadata={"help": "configuration name of a datasets dataset"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
     train_split: str = field(default="train", metadata={"help": "training split"})

@@ -113,3 +113,34 @@ def test_a_labels_column_is_evaluated_as_given(ckpt, tmp_path):
     bad = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2]]})
     with pytest.raises(DataError, match="row 0 has 2 labels for 3 input_ids"):
         token_blocks(bad, tok)
+
+
+@pytest.mark.parametrize("codec", ["gz", "bz2", "xz"])
+def test_compressed_data_files_are_read_as_the_type_inside(codec, tmp_path):
+    """data.jsonl.gz (datasets reads it as it is) was refused as "neither a text file nor a data file"."""
+    import bz2
+    import gzip
+    import lzma
+
+    write = {"gz": gzip.open, "bz2": bz2.open, "xz": lzma.open}[codec]
+    rows = _random_lines(5, n=4)
+    plain = {"jsonl": "\n".join(json.dumps({"text": r}) for r in rows), "csv": "text\n" + "\n".join(rows),
+             "txt": "\n".join(rows), "notes": "\n".join(rows)}  # notes: no known type inside -> plain text
+    for ext, body in plain.items():
+        path = tmp_path / f"data.{ext}.{codec}"
+        with write(path, "wt", encoding="utf-8") as f:
+            f.write(body)
+        assert load_texts(str(path))["text"] == (["\n".join(rows)] if ext in ("txt", "notes") else rows), ext
+    (tmp_path / "folder").mkdir()
+    (tmp_path / f"data.jsonl.{codec}").rename(tmp_path / "folder" / f"a.jsonl.{codec}")
+    assert load_texts(str(tmp_path / "folder"), split="train")["text"] == rows
+    (tmp_path / "folder" / "b.txt").write_text("x")  # mixed types are still named
+    with pytest.raises(DataError, match="mixes data files of different types"):
+        load_texts(str(tmp_path / "folder"), split="train")
+    with write(tmp_path / f"empty.txt.{codec}", "wb"):
+        pass
+    with pytest.raises(DataError, match="the file is empty or holds only whitespace"):
+        load_texts(str(tmp_path / f"empty.txt.{codec}"))
+    (tmp_path / f"broken.jsonl.{codec}").write_bytes(b"not compressed")
+    with pytest.raises(DataError, match=f"could not decompress .*broken.jsonl.{codec}"):
+        load_texts(str(tmp_path / f"broken.jsonl.{codec}"))
