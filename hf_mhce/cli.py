@@ -134,7 +134,9 @@ def _rbe(args: argparse.Namespace) -> int:
     print(report.table())
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "dataset": args.dataset, **report.as_dict()}, f, indent=2)
+            json.dump({"model": args.model, "dataset": args.dataset, "dataset_config": args.dataset_config,
+                       "split": args.split, "text_column": args.text_column, "tokenizer": tokenizer_source,
+                       "block_size": block_size, "blocks": len(rows), **report.as_dict()}, f, indent=2)
         print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {plot_rank_distribution(report.stats, args.plot, args.model)}")
@@ -264,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     rbe.add_argument("--max-blocks", type=positive_int, default=None, help="evaluate at most this many blocks")
     rbe.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
     rbe.add_argument("--json", type=output_file, default=None,
-                     help="write the report as JSON to this file (its directory must exist)")
+                     help="write the report as JSON to this file (its directory must exist): the metrics with the model, "
+                          "dataset, split, text column, tokenizer, block size and number of blocks evaluated")
     rbe.add_argument("--plot", type=output_file, default=None,
                      help="write the rank distribution (log-log PNG) to this file (its directory must exist)")
     rbe.add_argument("--no-progress", action="store_true")

@@ -206,6 +206,10 @@ def test_cli_rbe(tmp_path):
 
     report = json.loads(out_json.read_text())
     assert report["model"] == str(model_dir) and report["dataset"] == str(text_file)
+    # what was evaluated, to tell reports apart and run one again (block size and split were not recorded)
+    assert {k: report[k] for k in ("dataset_config", "split", "text_column", "tokenizer", "block_size", "blocks")} == {
+        "dataset_config": None, "split": None, "text_column": "text", "tokenizer": str(model_dir), "block_size": 16,
+        "blocks": len(rows)}
     assert set(METRICS) <= report.keys()
     assert report["num_tokens"] == expected.num_tokens
     for key in METRICS:
