@@ -15,6 +15,7 @@ and ``copy.deepcopy`` give a model that is patched the same way.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import types
 
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from .card import SECTIONS_ATTR, write_card
-from .config import write_adapter_config
+from .config import CONFIG_KEY, write_adapter_config
 from .forward import FUSED_REROUTE_KWARG, STATE_ATTR, has_integrated_adapters, make_forward
 from .fused_head import DEFAULT_OPTIONS
 
@@ -288,6 +289,10 @@ def _save_with_card(self, save_directory, *args, **kwargs):
     A transformers model carrying adapters of its own (``add_adapter`` / ``load_adapter``) saves its
     active adapter alone, also without config.json: ``hf_mhce.json`` goes beside it too.
     """
+    target = unwrap(self)
+    if STATE_ATTR in target.__dict__:  # config.json records the loss this model computes, whatever changed the
+        # config since (unpatch of a shallow copy sharing it, say): else it reloads with another loss
+        setattr(target.config, CONFIG_KEY, target.__dict__[STATE_ATTR].config.to_saved())
     result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
     _write_hf_mhce_files(self, save_directory, kwargs.get("is_main_process", True))
     return result
@@ -320,8 +325,12 @@ def _write_hf_mhce_files(self, save_directory, main_process: bool, name: str | N
 def _reduce_ex(self, protocol):
     """What pickle and copy save: the class's own reduction, minus our methods and card sections,
     rebuilt through ``_rebuild`` so the copy gets its own methods back."""
-    if STATE_ATTR in self.__dict__:
+    patch = self.__dict__.get(STATE_ATTR)
+    if patch is not None:
         live_attr(self)  # re-installed where it sits now (an accelerate hook may have come or gone)
+        # accelerate's mixed-precision wrapper put around the patch since (Accelerator.prepare, a Trainer with
+        # bf16): the copy's patched forward goes under the same autocast, as a re-patch keeps it
+        patch.autocast = accelerate_wrapper_around_patch(self) or patch.autocast
     func, args, state, *rest = type(self).__reduce_ex__(self, protocol)
     if not isinstance(state, dict):  # pragma: no cover - nn.Module always reduces to its __dict__
         raise TypeError(f"cannot pickle a patched {type(self).__name__}: unexpected state {type(state)}")
@@ -340,6 +349,9 @@ def _setstate(self, state):
     del self.__dict__[_SETSTATE]
     type(self).__setstate__(self, state)
     if STATE_ATTR in self.__dict__:
+        # its own record: copy.copy shares the state's objects, and options set on one model must not
+        # reach the other
+        self.__dict__[STATE_ATTR] = dataclasses.replace(self.__dict__[STATE_ATTR])
         bind_forward(self)
     install(self)
 

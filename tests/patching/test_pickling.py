@@ -121,3 +121,64 @@ def test_accelerate_autocast_wraps_and_unwraps_our_forward(fresh_accelerator_sta
     torch.testing.assert_close(plain(input_ids=ids, labels=labels).loss, want, rtol=0, atol=0)
     clone = pickle.loads(pickle.dumps(plain))
     torch.testing.assert_close(clone(input_ids=ids, labels=labels).loss, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_a_model_prepared_after_the_patch_keeps_the_autocast(how, fresh_accelerator_state):
+    """Patch, then Accelerator.prepare(mixed_precision="bf16") (a Trainer with bf16=True), then a copy (EMA, a
+    reference model): the copy's forward was the bare patched one, so it ran in float32, silently."""
+    from accelerate import Accelerator
+
+    model = apply_patch(make_model("llama").float(), loss="mhce", num_heads=4)
+    ids, labels = batch()
+    prepared = Accelerator(mixed_precision="bf16", cpu=True).prepare(model)
+    want = prepared(input_ids=ids, labels=labels).loss
+    fp32 = apply_patch(make_model("llama").float(), loss="mhce", num_heads=4)(input_ids=ids, labels=labels).loss
+    assert want != fp32  # under bf16 autocast
+    clone = ROUNDTRIPS[how](prepared)
+    torch.testing.assert_close(clone(input_ids=ids, labels=labels).loss, want, rtol=0, atol=0)
+    unpatch(clone)  # keeps the autocast, as the README promises of the prepared model itself
+    clone.eval()
+    with torch.no_grad():
+        plain = clone(input_ids=ids, labels=labels).loss
+    assert plain.dtype == torch.float32 and plain != make_model("llama").float()(input_ids=ids, labels=labels).loss
+
+
+def test_a_shallow_copy_has_its_own_patch_record_and_saves_the_loss_it_computes(tmp_path):
+    """copy.copy shares the config (as for any module) and shared the patch record: unpatch of the copy took
+    hf_mhce's entry out of the original's config.json while the original still computed MHCE (it reloaded as CE),
+    and options set on the copy reached the original."""
+    model = apply_patch(make_model("llama"), loss="mhce", num_heads=4)
+    shallow = copy.copy(model)
+    apply_patch(shallow, label_smoothing=0.3)
+    assert model._hf_mhce_patch.config.label_smoothing == 0
+    unpatch(shallow)
+    assert is_patched(model) and not is_patched(shallow)
+    ids, labels = batch()
+    want = _outputs(model, ids, labels)[0]
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())["hf_mhce"]
+    assert (saved["loss"], saved["num_heads"], saved["label_smoothing"]) == ("mhce", 4, 0)
+    from hf_mhce import from_pretrained
+
+    torch.testing.assert_close(_outputs(from_pretrained(tmp_path), ids, labels)[0], want, rtol=0, atol=0)
+
+
+def test_a_deleted_patched_model_is_freed_by_unpatch_or_a_collection():
+    """What the README says of freeing a patched model: no registry keeps it; the forward bound to it is a
+    reference cycle that unpatch breaks and a cyclic collection frees."""
+    import gc
+    import weakref
+
+    for loss, heads in (("ce", 1), ("mhce", 4)):
+        model = apply_patch(make_model("llama"), loss=loss, num_heads=heads)
+        model(*batch()[:1], labels=batch()[1]).loss.backward()
+        alive = weakref.ref(model)
+        unpatch(model)
+        del model
+        assert alive() is None  # by reference counting alone
+        model = apply_patch(make_model("llama"), loss=loss, num_heads=heads)
+        alive = weakref.ref(model)
+        del model
+        gc.collect()
+        assert alive() is None
