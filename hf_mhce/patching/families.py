@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass
 
 import torch
+import transformers
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
@@ -131,12 +132,27 @@ def unsupported(model: nn.Module, reason: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"cannot patch {type(model).__name__}: {reason}. {requirement_text()}.")
 
 
+_TRANSFORMERS_DIR = os.path.join(os.path.dirname(os.path.abspath(transformers.__file__)), "")
+
+
 def defined_in_transformers(model_class: type) -> bool:
     """Is ``model_class``'s forward transformers' own: does a class of transformers define it (not a user
-    subclass's override, nor remote code's)?  Judged by the defining class, not the function, whose
-    ``__module__`` a ``functools.wraps`` decorator copies from the forward it wraps."""
+    subclass's override, nor remote code's), with code from transformers' files (not a function put on the
+    class later, which a ``functools.wraps`` wrapper would give the name and ``__module__`` of the forward
+    it wraps)?  transformers' own decorators (``can_return_tuple``, ...) live in its files too."""
     owner = next((c for c in model_class.__mro__ if "forward" in c.__dict__), object)
-    return owner.__module__.startswith("transformers.")
+    if not owner.__module__.startswith("transformers."):
+        return False
+    fn = owner.__dict__["forward"]
+    for _ in range(16):  # the function and every function it wraps
+        code = getattr(fn, "__code__", None)
+        if code is None or not os.path.abspath(code.co_filename).startswith(_TRANSFORMERS_DIR):
+            return False
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return True
+    return False
+
 
 
 # Where the decoder sits when get_decoder() finds none and returns the model itself (Llama-4's text

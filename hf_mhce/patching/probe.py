@@ -53,7 +53,11 @@ def foreign_forward(model: nn.Module, forward) -> str | None:
         return f"the instance's forward was replaced by {name!r}"
     if not defined_in_transformers(cls):
         owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
-        return f"{owner.__qualname__}.forward is defined outside transformers (in {owner.__module__})"
+        if not owner.__module__.startswith("transformers."):
+            return f"{owner.__qualname__}.forward is defined outside transformers (in {owner.__module__})"
+        code = getattr(owner.__dict__["forward"], "__code__", None)  # a function put on transformers' class
+        where = f"{getattr(code, 'co_qualname', code.co_name)} in {code.co_filename}" if code else "a callable"
+        return f"{owner.__qualname__}.forward is not transformers' own: the class's forward was replaced by {where}"
     return None
 
 

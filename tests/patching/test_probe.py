@@ -330,3 +330,16 @@ def test_the_check_runs_inside_inference_mode():
     with torch.inference_mode():
         hf_mhce.apply_patch(model)
     assert_same(ref, model)
+
+
+def test_a_forward_replaced_on_transformers_class_is_probed(monkeypatch):
+    """A wrapper put on LlamaForCausalLM itself (functools.wraps copies the name and module of transformers'
+    forward) was taken for transformers' own: patched unchecked, with a loss the model no longer computes."""
+    monkeypatch.setattr(LlamaForCausalLM, "forward", halve_logits(LlamaForCausalLM.forward))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM.forward is not transformers' own: the class's "
+                       "forward was replaced by halve_logits.<locals>.wrapper in .*test_probe.py.*logits differ"):
+        hf_mhce.apply_patch(build(LlamaForCausalLM))
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf_mhce.apply_patch(build(LlamaForCausalLM))  # transformers' own again: no check, no warning
