@@ -41,13 +41,16 @@ def trainer_needs_predictions() -> bool:
     The Trainer says whether it will use the logits only in that local variable (its own
     ``skip_logits`` hint is sent to Liger-patched models alone), so we read it from the calling frame.
     """
-    stacks = [sys._getframe(1)]
+    stacks = [(sys._getframe(1), False)]
     if threading.current_thread() is not threading.main_thread():
         # nn.DataParallel (Trainer on several GPUs of one process) runs the replicas in worker
-        # threads while the main thread waits inside the prediction step
-        stacks.append(sys._current_frames().get(threading.main_thread().ident))
-    for stack in stacks:
+        # threads while the main thread waits inside the prediction step: that step's, if its model is
+        # one (another thread's forward is not this step's)
+        stacks.append((sys._current_frames().get(threading.main_thread().ident), True))
+    for stack, replicas_only in stacks:
         for frame, _ in trainer_frames(stack, "prediction_step"):
+            if replicas_only and not isinstance(frame.f_locals.get("model"), torch.nn.DataParallel):
+                return False
             loss_only = frame.f_locals.get("prediction_loss_only")
             return isinstance(loss_only, bool) and not loss_only
     return False

@@ -131,11 +131,15 @@ def test_compute_metrics_gets_the_models_logits(loss, tmp_path):
 
 def test_compute_metrics_with_replicas_in_threads(tmp_path):
     """nn.DataParallel (Trainer on several GPUs of one process) runs each replica's forward in a worker
-    thread: the logits still reach compute_metrics.  Simulated on CPU by a Trainer whose forward runs
-    in a thread, as DataParallel's parallel_apply does."""
+    thread: the logits still reach compute_metrics.  Simulated on CPU by a Trainer that wraps the model in
+    DataParallel, as it does on several GPUs (on CPU its forward is the model's), and runs the forward in a
+    thread, as DataParallel's parallel_apply does."""
     import threading
 
     class ThreadedForward(Trainer):
+        def _wrap_model(self, model, training=True, dataloader=None):
+            return torch.nn.DataParallel(model)
+
         def compute_loss(self, model, inputs, return_outputs=False, **kw):
             box = []
             worker = threading.Thread(target=lambda: box.append(super(ThreadedForward, self).compute_loss(
@@ -326,3 +330,28 @@ def test_trainer_computing_the_loss_refuses_fused_options_it_would_drop(trainer_
             run(apply_patch(twin(ref), label_smoothing=0.1))
         kept = {}
     torch.testing.assert_close(torch.tensor(run(apply_patch(twin(ref), **kept))), torch.tensor(run(twin(ref))))
+
+
+def test_a_forward_in_another_thread_reads_the_prediction_step_of_a_data_parallel_model_only(tmp_path):
+    """A worker thread's forward read the main thread's Trainer.prediction_step whatever model that step ran, so an
+    unrelated loss-only forward built the [tokens x vocab] logits. Only nn.DataParallel's replica threads
+    (the step's own model, split over GPUs) take its prediction_loss_only."""
+    import threading
+
+    ids, labels = batch()
+    other = apply_patch(make_model("llama")).eval()
+    seen = {}
+
+    class Stepping(Trainer):
+        def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+            worker = threading.Thread(target=lambda: seen.update(
+                logits=other(input_ids=ids, labels=labels).logits))  # as DataParallel's replicas run
+            worker.start()
+            worker.join()
+            return seen["logits"]
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = Stepping(model=make_model("llama"), args=args)
+    assert trainer.prediction_step(trainer.model, {}, prediction_loss_only=False) is None
+    assert trainer.prediction_step(torch.nn.DataParallel(other), {}, prediction_loss_only=False) is not None
+    assert trainer.prediction_step(torch.nn.DataParallel(other), {}, prediction_loss_only=True) is None
