@@ -49,6 +49,10 @@ def _mixture_rank_kernel(
             y = logits_tile(X, W, B, U, LB, rows, cols, row_mask, col_mask, h * Dh, Dh, h * R, R,
                             stride_x, stride_w, stride_u, stride_lb, softcap, HAS_BIAS, HAS_SOFTCAP,
                             HAS_LOW_RANK, BLOCK_N, BLOCK_V, BLOCK_K, DOT_IN_ORDER, PRECISION)
+            # the select keeps y rounded on its own before the subtraction: a GPU compile would otherwise fuse a
+            # softcap's c * tanh into it (one fma), and a row equal to the target's, whose y _target_kernel
+            # stored rounded, would compare unequal (an exact tie ranked above the target)
+            y = tl.where(col_mask[None, :], y, float("-inf"))
             lp = y - tl.load(Lse + rows * NUM_HEADS + h, mask=row_mask, other=0.0)[:, None]
             new_max = tl.maximum(m, lp)
             base = tl.where(new_max == float("-inf"), 0.0, new_max)  # entries masked (-inf bias): not NaN

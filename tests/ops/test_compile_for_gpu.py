@@ -72,3 +72,44 @@ def test_compiled_here_as_the_h100_compiled_it(tmp_path):
     bad = subprocess.run([sys.executable, script, str(tmp_path / "missing.json"), "--out", str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "cannot read the sweep record" in bad.stderr, bad.stderr[-2000:]
+
+
+SOFTCAP_USES = r'''
+import json, re, sys
+sys.path.insert(0, sys.argv[1])
+import torch, triton
+import compile_check as cc
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+out = {}
+for kernel, args, kwargs in cc.record_launches(lambda: cc.drive(torch.bfloat16, 4, True, 30.0, False, True,
+                                                                 n=128, d=128, v=520)):
+    name = kernel.__name__
+    if name not in ("_mixture_rank_kernel", "_target_kernel"):
+        continue
+    target = GPUTarget("cuda", 90, 32)
+    options, sig, constexprs, attrs = cc.specialize(kernel, args, kwargs, target)
+    ptx = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target, options=options).asm["ptx"]
+    param = re.search(rf"ld\.param\.(?:b32|f32)\s+(%[rf]\d+),\s*\[{name}_param_{list(sig).index('softcap')}\]", ptx)
+    regs = {param.group(1)} | set(re.findall(rf"mov\.b32\s+(%f\d+),\s*{re.escape(param.group(1))}\b", ptx))
+    ops = [line.split()[0] for line in ptx.splitlines() if any(re.search(rf"{re.escape(r)}[,;\s]", line) for r in regs)
+           and not line.strip().startswith(("ld.param", "mov"))]
+    out[name] = sorted(set(ops))
+print(json.dumps(out))
+'''
+
+
+def test_a_softcap_product_is_rounded_alike_where_a_tie_is_ranked(tmp_path):
+    """Ranks with several heads and a softcap: the rank kernel's c * tanh was fused into the subtraction of the
+    logsumexp (fma.rn.f32, unrounded) while _target_kernel stored it rounded (mul.f32), so a vocabulary row equal
+    to the target's was ranked above it on a GPU (20.7% of tokens in an emulation); the interpreter never fuses.
+    Compiled for sm_90a as a launch specializes it: the softcap multiplies alone (mul.f32), in both kernels."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SOFTCAP_USES, str(BENCH)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    uses = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(uses) == {"_mixture_rank_kernel", "_target_kernel"}, uses
+    for name, ops in uses.items():  # y / c into tanh, then c * tanh on its own: no fma takes the softcap
+        assert "mul.f32" in ops and not any(op.startswith("fma") for op in ops), (name, ops)
