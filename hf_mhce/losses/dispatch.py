@@ -72,7 +72,7 @@ def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> Si
         raise ValueError(f"backend must be one of {BACKENDS} (argument or HF_MHCE_BACKEND), got {name!r}")
     name = name.lower()
     if name == "auto":
-        use = device.type == "cuda" and dtype in _TRITON_DTYPES and triton_available()
+        use = device.type == "cuda" and dtype in _TRITON_DTYPES and triton_available() and _triton_capable(device)
         return _triton_ops() if use else _TORCH_OPS
     if name == "torch":
         return _TORCH_OPS
@@ -80,6 +80,9 @@ def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> Si
         raise ValueError("backend='triton' was requested but triton is not installed")
     if dtype not in _TRITON_DTYPES:
         raise ValueError(f"the Triton kernels support float32, bfloat16 and float16, got {dtype}; use backend='torch'")
+    if device.type == "cuda" and not _triton_capable(device):
+        raise ValueError(f"backend='triton' needs a GPU of compute capability 7.0 (Volta) or newer, {device} has "
+                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; use backend='torch' or 'auto'")
     from ..ops import triton_tile
 
     now, then = triton_tile.interpreting(), triton_tile.KERNELS_INTERPRETED
@@ -91,3 +94,9 @@ def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> Si
             f"TRITON_INTERPRET=1 before hf_mhce's kernels are first imported{why}"
         )
     return _triton_ops()
+
+
+def _triton_capable(device: torch.device) -> bool:
+    """Volta or newer: the kernels' atomics (the bias gradient's) need sm_70 (ptxas refuses them on a P100),
+    as do Triton's and inductor's own support."""
+    return torch.cuda.get_device_capability(device) >= (7, 0)

@@ -4,6 +4,7 @@ the inputs the way autocast would, and the statistics must stay float32."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -13,6 +14,16 @@ from ..ops import mixture, torch_logprobs
 
 
 _functorch = getattr(torch._C, "_functorch", None)
+
+
+@contextlib.contextmanager
+def kernels_on(device: torch.device):
+    """Autocast off (the caller cast the inputs; the statistics stay float32), and ``device`` the current
+    CUDA device: Triton launches on the current device and its stream, not the tensors' (a head on cuda:1
+    under device_map="auto", while cuda:0 is current, was read across devices, or not at all)."""
+    on_gpu = device.type == "cuda" and device.index is not None
+    with torch.autocast(device.type, enabled=False), torch.cuda.device(device) if on_gpu else contextlib.nullcontext():
+        yield
 
 
 def _is_batched(t: torch.Tensor) -> bool:
@@ -73,7 +84,7 @@ class MultiHeadTokenLoss(torch.autograd.Function):
         low_rank = _pair(low_u, low_b)
         needs = _needs(ctx, low_rank)
         ctx.precomputed_grads = None
-        with torch.autocast(hidden.device.type, enabled=False):
+        with kernels_on(hidden.device):
             early = None
             if grad_scale is not None and sink is None and any(needs) and hasattr(ops, "forward_with_grads"):
                 early = ops.forward_with_grads(hidden, weight, bias, labels, valid, num_heads, softcap,
@@ -109,7 +120,7 @@ class MultiHeadTokenLoss(torch.autograd.Function):
             early = None  # they do not apply: freed before the recompute builds its own (peak memory)
         if not any(needs):
             return _all_inputs(ctx, None)
-        with torch.autocast(hidden.device.type, enabled=False):
+        with kernels_on(hidden.device):
             alpha, target_grad, gamma = mixture.grad_coefficients(
                 top + log_sum, log_p_target, valid, grad_tokens, weight.shape[0], label_smoothing, z_loss
             )
@@ -150,7 +161,7 @@ class MixtureLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, low_u, low_b, num_heads, softcap):
         low_rank = _pair(low_u, low_b)
-        with torch.autocast(hidden.device.type, enabled=False):
+        with kernels_on(hidden.device):
             out, head_stats = torch_logprobs.mixture_logprobs(hidden, weight, bias, num_heads, softcap, low_rank)
         ctx.save_for_backward(hidden, weight, bias, low_u, low_b, head_stats, out)
         ctx.options = (num_heads, softcap)
@@ -165,7 +176,7 @@ class MixtureLogprobs(torch.autograd.Function):
         needs = _needs(ctx, low_rank)
         if not any(needs):
             return _all_inputs(ctx, None)
-        with torch.autocast(hidden.device.type, enabled=False):
+        with kernels_on(hidden.device):
             grads = torch_logprobs.mixture_logprobs_backward(
                 hidden, weight, bias, num_heads, softcap, head_stats, out, grad, needs, low_rank
             )
