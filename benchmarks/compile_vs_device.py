@@ -3,8 +3,10 @@
     python benchmarks/compile_vs_device.py benchmarks/results/tile_sweep-NVIDIA-H100-80GB-HBM3-2026-11-24-budget-s_240.json
 
 For every forward row of the sweep record (tile_sweep.py's JSON: settings, and the registers and spills
-the device's compiled kernel reported), the same launch -- the training forward of ``Problem.forward``:
-16-bit inputs, no bias, no soft-cap, no logit sum, the row's heads -- is compiled for the row's
+the device's compiled kernel reported), the same launch -- the training forward of ``Problem.forward``,
+or for the rows of the stage "forward tiles with ranks" the evaluation forward of ``Problem.forward_ranks``
+(need_ranks: one head counts the ranks in the same kernel, NEED_RANKS): 16-bit inputs, no bias, no
+soft-cap, no logit sum, the row's heads -- is compiled for the row's
 architecture through compile_check's path, at small sizes that keep the sweep's N, D and V divisibility
 by 16, and ptxas's registers and spill bytes are put beside the device's.  Registers should agree
 exactly where the Triton version is the device's; the device reports spills in another unit, so they
@@ -34,6 +36,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from compile_check import compile_launch, record_launches  # noqa: E402
 from records import Record, add_out_options  # noqa: E402
+from tile_sweep import RANKS_STAGE  # noqa: E402
 
 import hf_mhce  # noqa: E402
 from hf_mhce.ops import triton_forward  # noqa: E402
@@ -51,15 +54,20 @@ def compile_row(row: dict, arch: str, dtype=torch.bfloat16) -> dict:
     x, w = torch.randn(n, d, generator=g).to(dtype), torch.randn(v, d, generator=g).to(dtype)
     labels = torch.randint(0, v, (n,), generator=g)
     labels[::17] = -1
+    need_ranks = row["stage"] == RANKS_STAGE  # the sweep timed (and reported registers of) this launch
     with override_tiles("forward", **row["settings"]):
-        launches = record_launches(lambda: triton_forward.forward_stats(x, w, None, labels, row["heads"], None, False))
+        launches = record_launches(lambda: triton_forward.forward_stats(x, w, None, labels, row["heads"], None, False,
+                                                                        need_ranks=need_ranks))
     kernel, args, kwargs = next(launch for launch in launches if launch[0].__name__ == "_forward_kernel")
+    # one head ranks in the forward kernel itself; several in a kernel of their own after it
+    if kwargs["NEED_RANKS"] != (need_ranks and row["heads"] == 1):
+        raise RuntimeError(f"{row['stage']!r} row (H = {row['heads']}) compiled with NEED_RANKS={kwargs['NEED_RANKS']}")
     facts = compile_launch(kernel, args, kwargs, arch)
     tile = row["settings"]
     operand_bytes = (-(-row["N"] // tile["BLOCK_N"]) * -(-row["V"] // tile["BLOCK_V"])
                      * (tile["BLOCK_N"] + tile["BLOCK_V"]) * row["D"] * 2)
     k_loop = facts.get("k_loop_instructions")
-    return {"stage": row["stage"], "settings": tile, "device_ms": row.get("ms"),
+    return {"stage": row["stage"], "settings": tile, "need_ranks": kwargs["NEED_RANKS"], "device_ms": row.get("ms"),
             "device_regs": row["regs"], "device_spills": row["spills"],
             "registers": facts["registers"], "spill_bytes": facts["spill_bytes"],
             "registers_agree": facts["registers"] == row["regs"],

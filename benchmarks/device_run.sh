@@ -52,6 +52,7 @@ trap 'pack && rm -rf "$RECORDS"' EXIT  # the loose records are kept where packin
 # The device tool kills the call at its limit (600 s) with everything in it, this script's packing
 # too: a step still running then is stopped here in time, so that what it wrote is packed.
 BUDGET_S=${DEVICE_RUN_BUDGET_S:-570}
+SWEEP_MARGIN_S=60 SWEEP_MIN_S=20  # tile sweep: its budget under step's limit, and the least it is given
 step() {  # step NAME COMMAND...: run, log, record a failure without stopping, pack the records
   local name=$1 left=$((BUDGET_S - SECONDS)); shift
   if [ "$left" -le 0 ]; then echo "$name not started: time budget spent" | tee -a "$OUT/failures.txt"; return; fi
@@ -83,8 +84,12 @@ case "$STAGE" in
     step gpu_ties python3 benchmarks/gpu_ties.py --out "$RECORDS"
     # confident tokens at Llama-3's vocabulary: the loss's relative error, ours and eager (NOTES change 13)
     step confident_large_vocab python3 benchmarks/confident_large_vocab.py --vocab 128256
-    # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes
-    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s 200 --out "$RECORDS"
+    # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes: step stops it at what is left
+    # of BUDGET_S, so its own budget is that less SWEEP_MARGIN_S for what runs outside or past it (process
+    # start, building the problems, the setting in flight, re-timing the fastest); it writes its record
+    # after every stage and on step's SIGTERM
+    sweep_s=$((BUDGET_S - SECONDS - SWEEP_MARGIN_S)); [ "$sweep_s" -ge "$SWEEP_MIN_S" ] || sweep_s=$SWEEP_MIN_S
+    step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s "$sweep_s" --out "$RECORDS"
     # 3. confident tokens (log p_t from the sweep's own maximum), a saturated softcap (its derivative) and
     # non-finite logits (NaN, as eager)
     # on the GPU's kernels, if the image has pytest

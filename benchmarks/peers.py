@@ -4,19 +4,20 @@
     python benchmarks/peers.py --shapes llama3 --tokens 8192 --variants hf_eager hf_mhce_ce cce
     TRITON_INTERPRET=1 python benchmarks/peers.py --device cpu --small    # checks the harness itself
 
-For every shape (head D x V, tokens N) and variant: median time of the forward, the backward and
-forward+backward (CUDA events as in triton.testing.do_bench: warm-up, L2 flushed between runs, at
-least --reps runs; inputs rotated
-over --rotate sets so that no run reuses the previous run's cached inputs), and the peak memory
-allocated above the inputs.  Beside each row: the floor, 6NDV FLOPs (2NDV forward) at the bf16
-matmul rate measured here in the same run (a plain [N, K] x [K, V] product, K = D or 4096, the faster;
-see ``matmul_rate``), and the memory lower
-bound X + W + dX + dW; ratios to the floor and to every peer.  A variant that cannot run here (a
+For every shape (head D x V, tokens N) and variant: median time, and the spread of the runs, of the
+evaluation forward, the backward alone (after an untimed forward in grad mode) and forward+backward
+(timing.Timer: CUDA events as in triton.testing.do_bench, warm-up, L2 flushed between runs, at least
+--reps runs; inputs rotated over --rotate sets so that no run reuses the previous run's cached inputs),
+and the peak memory allocated above the inputs.  Logits have standard deviation --logit-scale (1 by
+default; CCE's gradient filter depends on it).  Beside each row: the floor, 6NDV FLOPs (2NDV forward)
+at the bf16 matmul rate measured here in the same run (a plain [N, K] x [K, V] product, K = D or 4096,
+the faster, V rounded up to a multiple of 128; see ``timing.matmul_rate``), and the memory lower bound
+X + W + dX + dW; ratios to the floor and to every peer.  A variant that cannot run here (a
 peer not installed, a CUDA-only kernel on CPU) is a row that says why, never a silent gap.
 
 Variants (bf16 inputs, float32 loss):
   hf_eager          logits = x W^T in bf16, upcast, F.cross_entropy (what transformers does)
-  compile_chunked   torch.compile'd chunks of 4096 tokens, each checkpointed (logits recomputed)
+  compile_chunked   a torch.compile'd chunk loss, chunks of 4096 tokens looped eagerly, each checkpointed
   liger             Liger-Kernel's fused linear cross-entropy
   cce / cce_exact   Cut Cross-Entropy's linear_cross_entropy, default and without its gradient filter (cce_options)
   hf_mhce_ce        hf_mhce.linear_cross_entropy
@@ -39,14 +40,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
-from records import Record, add_device_options, check_device, device_label, environment, positive_int
+from records import Record, add_device_options, check_device, device_label, environment, positive_float, positive_int
 from targets import markdown as targets_markdown
+from timing import Timer, matmul_rate, measure  # moved there; peers.Timer and peers.measure stay importable
 
 SHAPES = {"gpt2": (768, 50257), "mistral7b": (4096, 32768), "llama3": (4096, 128256)}
 SMALL = {"gpt2": (48, 263)}  # --small: the harness itself on CPU / under the interpreter (9 vocabulary tiles)
@@ -67,14 +68,22 @@ class Unavailable(Exception):
     """This variant cannot run here; the message says why (it becomes the row's note)."""
 
 
-def _chunked_ce(x, w, labels, chunk=4096):
+CHUNK = 4096  # compile_chunked's tokens per chunk
+
+
+def _chunk_loss(xc, w, yc):
+    """One chunk's summed CE: the only part compile_chunked compiles."""
+    return F.cross_entropy((xc @ w.T).float(), yc, ignore_index=-100, reduction="sum")
+
+
+def _chunked_ce(piece, x, w, labels):
+    """The chunks looped eagerly, each checkpointed: about one chunk's float32 logits alive at a time.
+    Compiled as one graph with the loop, the compiled backward kept every chunk's logits (H100 record of
+    2026-11-24: memory grew with the number of chunks)."""
     from torch.utils.checkpoint import checkpoint
 
-    def piece(xc, yc):
-        return F.cross_entropy((xc @ w.T).float(), yc, ignore_index=-100, reduction="sum")
-
-    total = sum(checkpoint(piece, x[i:i + chunk], labels[i:i + chunk], use_reentrant=False)
-                for i in range(0, x.shape[0], chunk))
+    total = sum(checkpoint(piece, x[i:i + CHUNK], w, labels[i:i + CHUNK], use_reentrant=False)
+                for i in range(0, x.shape[0], CHUNK))
     return total / (labels != -100).sum()
 
 
@@ -104,11 +113,11 @@ def make_variant(name: str, device: torch.device):
     if name == "compile_chunked":
         if device.type != "cuda":
             raise Unavailable("torch.compile benchmarked on CUDA only")
-        # Dynamo's cache belongs to _chunked_ce's code object, shared by every shape of the run: each
-        # shape adds two entries (with and without gradients), and past recompile_limit (8) it runs
-        # the function eager, still timed as this row.  A fresh cache per shape stays under it.
+        # Dynamo's cache belongs to _chunk_loss's code object, shared by every shape of the run: each
+        # shape adds entries (with and without gradients, a shorter last chunk), and past recompile_limit
+        # (8) it runs the function eager, still timed as this row.  A fresh cache per shape stays under it.
         torch._dynamo.reset()
-        return torch.compile(_chunked_ce, dynamic=False), False
+        return functools.partial(_chunked_ce, torch.compile(_chunk_loss, dynamic=False)), False
     if name == "liger":
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
@@ -163,7 +172,10 @@ def make_variant(name: str, device: torch.device):
     raise ValueError(f"unknown variant {name!r}")
 
 
-def inputs(n, d, v, device, dtype, rotate, seed=0):
+def inputs(n, d, v, device, dtype, rotate, seed=0, logit_scale=1.0):
+    """W and ``rotate`` sets of (X, labels, 5 % ignored): standard normal entries scaled so that the logits
+    x . w have standard deviation ``logit_scale`` (trained heads are peakier than 1, and CCE's gradient
+    filter skips more blocks the peakier they are)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     sets = []
     for _ in range(rotate):
@@ -171,72 +183,8 @@ def inputs(n, d, v, device, dtype, rotate, seed=0):
         y = torch.randint(0, v, (n,), generator=g)
         y[torch.rand(n, generator=g) < 0.05] = -100
         sets.append((x, y.to(device)))
-    w = (torch.randn(v, d, generator=g) / d ** 0.25).to(device, dtype)
+    w = (torch.randn(v, d, generator=g) * (logit_scale / d ** 0.25)).to(device, dtype)
     return w, sets
-
-
-def _flush_buffer(device) -> torch.Tensor:
-    """Zeroed before each timed run on CUDA: evicts L2 (50-60 MB on Hopper), as do_bench's buffer does."""
-    return torch.empty(256 * 2**20, dtype=torch.int8, device=device)
-
-
-class Timer:
-    """Median milliseconds of fn(): CUDA events around each run (L2 flushed before it), perf_counter elsewhere."""
-
-    def __init__(self, device, reps):
-        self.device, self.reps = device, reps
-
-    def __call__(self, fn) -> float:
-        if self.device.type == "cuda":
-            return self._cuda(fn)
-        fn()
-        times = []
-        for _ in range(self.reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t0))
-        return statistics.median(times)
-
-    def _cuda(self, fn) -> float:
-        """do_bench's method (warm-up, L2 flushed, events; 100 ms of runs) with at least ``reps`` runs:
-        do_bench times rep / estimate runs, one alone where a run takes over 100 ms (the P6 shapes),
-        after five runs for its estimate; one run gives the estimate here."""
-        fn()  # compilation and autotuning
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        estimate = max(1000 * (time.perf_counter() - t0), 1e-3)
-        flush = _flush_buffer(self.device)
-        for _ in range(max(1, int(25 / estimate))):
-            fn()
-        runs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                for _ in range(max(self.reps, min(int(max(100, 20 * self.reps) / estimate), 10_000)))]
-        for start, end in runs:
-            flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        return statistics.median(start.elapsed_time(end) for start, end in runs)
-
-
-COMPUTE_BOUND_K = 4096
-
-
-def matmul_rate(n, d, v, device, dtype, timer) -> float:
-    """FLOP/s of [N, K] x [K, V] products, the unit of the floor: the faster of K = D and K = 4096.
-
-    At a narrow D (GPT-2's 768) the plain product is bound by writing its [N, V] output, which the
-    fused losses never write: its rate put the GPT-2 floor below what torch.compile attained (0.33x
-    "floor" on the H100, 2026-11-24).  At K = 4096 the same output costs a sixth as much per FLOP."""
-    rates = []
-    for k in dict.fromkeys((d, max(d, COMPUTE_BOUND_K))):
-        a = torch.randn(n, k, device=device, dtype=dtype)
-        b = torch.randn(v, k, device=device, dtype=dtype)
-        ms = timer(lambda: a @ b.T)
-        rates.append(2 * n * k * v / (ms / 1000))
-    return max(rates)
 
 
 def heads_of(name: str) -> int:
@@ -254,49 +202,22 @@ def reference(x, w, labels, heads):
     return loss.item(), xr.grad, wr.grad
 
 
-def grad_errors(fn, x, w, labels, ref) -> dict:
-    """Relative L2 errors of a variant's dX and dW against the float32 references."""
+def grad_errors(fn, x, w, labels, ref_loss, ref) -> dict:
+    """Relative errors of a variant's loss in grad mode (Liger and our 6NDV rows compute it by other code
+    than the evaluation forward's) and of its dX and dW (L2) against the float32 references."""
     xv, wv = (t.detach().clone().requires_grad_() for t in (x, w))
-    fn(xv, wv, labels).backward()
-    out = {}
+    loss = fn(xv, wv, labels)
+    loss.backward()
+    out = {"loss_grad_rel_err": abs(float(loss.detach()) - ref_loss) / abs(ref_loss)}
     for key, got, want in (("dx_rel_err", xv.grad, ref[0]), ("dw_rel_err", wv.grad, ref[1])):
         out[key] = float((got.float() - want).norm() / want.norm())
     return out
 
 
-def measure(fn, forward_only, w, sets, timer, device) -> dict:
-    it = iter(range(1 << 62))
-
-    def pick():
-        return sets[next(it) % len(sets)]
-
-    def fwd():  # evaluation: no leaf wants a gradient (Liger computes them in its forward when one does)
-        x, y = pick()
-        with torch.no_grad():
-            fn(x.detach(), w.detach(), y)
-
-    def fwd_bwd():  # fresh leaves: the shared inputs never turn into ones that want gradients
-        x, y = pick()
-        fn(x.detach().requires_grad_(), w.detach().requires_grad_(), y).backward()
-
-    row = {"fwd_ms": timer(fwd)}
-    if not forward_only:
-        row["fwd_bwd_ms"] = timer(fwd_bwd)
-        row["bwd_ms"] = max(row["fwd_bwd_ms"] - row["fwd_ms"], 0.0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fwd_bwd()
-            torch.cuda.synchronize()
-            row["peak_extra_mb"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return row
-
-
-def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dict]:
+def run_shape(label, d, v, n, variants, device, dtype, reps, rotate, logit_scale=1.0) -> list[dict]:
     timer = Timer(device, reps)
     rate = matmul_rate(n, d, v, device, dtype, timer)
-    w, sets = inputs(n, d, v, device, dtype, rotate)
+    w, sets = inputs(n, d, v, device, dtype, rotate, logit_scale=logit_scale)
     elem = torch.finfo(dtype).bits // 8
     floor = {"fwd_ms": 1000 * 2 * n * d * v / rate, "fwd_bwd_ms": 1000 * 6 * n * d * v / rate,
              "lower_bound_mb": 2 * (n * d + v * d) * elem / 2**20}  # X, W, dX, dW
@@ -304,7 +225,8 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
     x0, y0 = sets[0]
     references = {}  # per number of heads: a fast wrong answer is no result
     for name in variants:
-        row = {"shape": label, "D": d, "V": v, "N": n, "variant": name, **{f"floor_{k}": x for k, x in floor.items()}}
+        row = {"shape": label, "D": d, "V": v, "N": n, "variant": name, "logit_std": logit_scale,
+               **{f"floor_{k}": x for k, x in floor.items()}}
         with environment({**SCHEDULE_SETTINGS, **ENVIRONMENT.get(name, {})}):  # the row's settings, restored after it
             try:
                 fn, forward_only = make_variant(name, device)
@@ -317,12 +239,14 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate) -> list[dic
                 if hasattr(fn, "stats") and fn.stats.num_tokens != int((y0 != -100).sum()):  # ranks: a row timing no ranks
                     raise RuntimeError(f"{fn.stats.num_tokens} tokens ranked of {int((y0 != -100).sum())}")
                 if not forward_only:
-                    row.update(grad_errors(fn, x0, w, y0, ref_grads))
-                row.update(measure(fn, forward_only, w, sets, timer, device))
+                    row.update(grad_errors(fn, x0, w, y0, ref_loss, ref_grads))
+                measure(fn, forward_only, w, sets, timer, device, row)  # fills the row as it goes
                 row["vs_floor"] = row.get("fwd_bwd_ms", row["fwd_ms"]) / floor["fwd_bwd_ms" if "fwd_bwd_ms" in row else "fwd_ms"]
                 if "peak_extra_mb" in row:
-                    # inputs X, W are allocated before; the bound on what the step adds is dX + dW
+                    # inputs X, W are allocated before: the verdict's bound on what the step adds is dX + dW;
+                    # the issue's whole bound X + W + dX + dW beside it
                     row["mem_vs_bound"] = row["peak_extra_mb"] / (floor["lower_bound_mb"] / 2)
+                    row["mem_vs_full_bound"] = row["peak_extra_mb"] / floor["lower_bound_mb"]
             except Unavailable as why:
                 row["note"] = str(why)
             except torch.cuda.OutOfMemoryError:
@@ -349,17 +273,39 @@ def versions() -> str:
     return ", ".join(f"{name} {version(name)}" for name in ("torch", "triton", "liger-kernel", "cut-cross-entropy"))
 
 
-def markdown(rows: list[dict], device_name: str, today: str) -> str:
+def _cells(r: dict) -> dict:
+    """A row's table cells: times with their spread, the memory ratios, the larger loss error."""
+    def t(key):
+        if f"{key}_ms" not in r:
+            return "-"
+        spread = r.get(f"{key}_spread")
+        return f"{r[f'{key}_ms']:.2f}" + (f" ({100 * spread:.0f}%)" if spread is not None else "")
+    bound = f"{r['mem_vs_bound']:.2f}" if "mem_vs_bound" in r else "-"
+    if "mem_vs_full_bound" in r:
+        bound += f" ({r['mem_vs_full_bound']:.2f})"
+    loss = [r[k] for k in ("loss_rel_err", "loss_grad_rel_err") if k in r]
+    return {"fwd": t("fwd"), "bwd": t("bwd"), "fwd_bwd": t("fwd_bwd"), "bound": bound,
+            "loss": format(max(loss), ".1e") if loss else "-"}
+
+
+def markdown(rows: list[dict], device_name: str, today: str, logit_scale: float = 1.0) -> str:
     try:  # which call cce_exact is depends on CCE's release
         call = ", ".join(f"{k}={v!r}" for k, v in cce_options("cce_exact").items())
         exact = f" cce_exact called linear_cross_entropy(x, w, labels, {call})."
     except ImportError:
         exact = ""
     lines = [f"# Fused cross-entropy vs peers on {device_name} ({today})", "", f"Versions: {versions()}.{exact}", "",
-             "Times in ms (median); floor = 6NDV (fwd+bwd) or 2NDV (fwd) FLOPs at the matmul rate measured in the "
-             "same run; fwd = an evaluation forward (no gradients), bwd = fwd+bwd - fwd; x hf_mhce_ce: fwd+bwd, or fwd for "
-             "forward-only rows; memory = peak allocated above the inputs vs dX + dW; loss / dX / dW err = relative difference from "
-             "the float32 reference of the row's own loss (cross-entropy; MHCE with H heads for the MHCE rows).", ""]
+             f"Inputs: logits x . w with standard deviation {logit_scale:g} (--logit-scale), 5 % of tokens ignored. "
+             "CCE's default gradient filter skips the blocks whose gradient is below bf16 resolution, so its time "
+             "depends on this spread (trained heads are peakier than std 1).", "",
+             "Times in ms (median; in brackets the interquartile range of the runs over the median); floor = 6NDV "
+             "(fwd+bwd) or 2NDV (fwd) FLOPs at the matmul rate measured in the same run; fwd = an evaluation forward (no "
+             "gradients); bwd = the backward alone (loss.backward() timed after an untimed forward in grad mode: for rows "
+             "that compute their gradients in that forward, the work is in fwd+bwd, not in fwd or bwd); x hf_mhce_ce: "
+             "fwd+bwd, or fwd for forward-only rows; x bound = peak allocated above the inputs over dX + dW (the memory "
+             "verdict's reading), in brackets over X + W + dX + dW; loss / dX / dW err = relative difference from the "
+             "float32 reference of the row's own loss (cross-entropy; MHCE with H heads for the MHCE rows), loss err the "
+             "larger of the evaluation forward's and the grad-mode forward's.", ""]
     for shape in dict.fromkeys((r["shape"], r["N"]) for r in rows):
         group = [r for r in rows if (r["shape"], r["N"]) == shape]
         g0 = group[0]
@@ -373,8 +319,9 @@ def markdown(rows: list[dict], device_name: str, today: str) -> str:
                 return format(r[key], fmt) if key in r else "-"
             key = "fwd_bwd_ms" if "fwd_bwd_ms" in r else "fwd_ms"  # forward-only rows (ranks): vs our forward
             rel = f"{r[key] / ours[key]:.2f}" if ours and key in r else "-"
-            lines.append(f"| {r['variant']} | {f('fwd_ms')} | {f('bwd_ms')} | {f('fwd_bwd_ms')} | {f('vs_floor')} | "
-                         f"{f('peak_extra_mb', '.0f')} | {f('mem_vs_bound')} | {rel} | {f('loss_rel_err', '.1e')} | "
+            c = _cells(r)
+            lines.append(f"| {r['variant']} | {c['fwd']} | {c['bwd']} | {c['fwd_bwd']} | {f('vs_floor')} | "
+                         f"{f('peak_extra_mb', '.0f')} | {c['bound']} | {rel} | {c['loss']} | "
                          f"{f('dx_rel_err', '.1e')} | {f('dw_rel_err', '.1e')} | {r.get('note', '')} |")
         lines.append("")
     return "\n".join(lines) + "\n" + targets_markdown(rows)
@@ -389,6 +336,8 @@ def main(argv=None) -> list[dict]:
                    choices=[*PEERS, *OURS, *CANDIDATES, *PROTOTYPES])
     add_device_options(p, reps=5)
     p.add_argument("--rotate", type=positive_int, default=3, help="input sets cycled through (cache fairness)")
+    p.add_argument("--logit-scale", type=positive_float, default=1.0,
+                   help="standard deviation of the logits (CCE's gradient filter skips more of a peakier head)")
     args = p.parse_args(argv)
     if args.small and args.shapes:
         p.error("--small runs its own tiny shape; leave out --shapes")
@@ -403,9 +352,9 @@ def main(argv=None) -> list[dict]:
     rows = []
     for label, (d, v) in shapes.items():
         for n in tokens:
-            rows += run_shape(label, d, v, n, args.variants, device, dtype, args.reps, args.rotate)
+            rows += run_shape(label, d, v, n, args.variants, device, dtype, args.reps, args.rotate, args.logit_scale)
             # rewritten after every shape: a run cut short by the device's time limit keeps what it measured
-            record.write(rows, markdown(rows, name, today))
+            record.write(rows, markdown(rows, name, today, args.logit_scale))
     return rows
 
 

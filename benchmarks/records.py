@@ -114,15 +114,17 @@ class Record:
             p.error(f"{existing[0]} exists, and a run never replaces a record: pass --force to replace it, "
                     "or --out to write elsewhere")
 
-    def write(self, data, markdown: str) -> str:
+    def write(self, data, markdown: str, echo: bool = True) -> str:
         """Write ``data`` as JSON and ``markdown`` beside it (again, if this run wrote it before:
-        peers.py rewrites after every shape); print the markdown; return the path stem."""
+        peers.py rewrites after every shape, tile_sweep.py after every stage); print the markdown
+        unless ``echo`` is False; return the path stem."""
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path + ".json", "w") as f:
             json.dump(data, f, indent=2)
         with open(self.path + ".md", "w") as f:
             f.write(markdown.rstrip("\n") + "\n")
-        print(markdown)
+        if echo:
+            print(markdown)
         return self.path
 
 

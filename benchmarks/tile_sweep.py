@@ -16,7 +16,8 @@ error; a setting that changes the result is reported, never picked).  Per compil
 spills and whether the SASS uses Hopper's warpgroup MMA (HGMMA).  The run stops starting new
 settings after --budget-s seconds (the device tool allows 10 minutes a call) and says which it
 skipped.  Writes <out>/tile_sweep-<device>-<date>.md and .json (records.py's naming rule; off CUDA
-only with --small and TRITON_INTERPRET=1); the winners go into
+only with --small and TRITON_INTERPRET=1) after every stage, and on SIGTERM (device_run.sh stops a
+step at the call's budget) with the rows finished so far before it exits; the winners go into
 ``hf_mhce/ops/triton_tile.py``'s _GPU_DEFAULTS by hand, with the record cited.
 """
 
@@ -27,10 +28,13 @@ import datetime
 import itertools
 import json
 import math
+import os
+import signal
+import sys
 import time
 
 import torch
-from peers import Timer
+from timing import Timer
 from records import Record, add_device_options, check_device, device_label, positive_float, positive_int
 
 TILES = [(64, 128), (128, 128), (64, 256), (128, 256)]  # (BLOCK_N, BLOCK_V)
@@ -46,6 +50,7 @@ RANKS_TILES = [dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stage
 SPLITS = [1, 2, 3, 4, 8, None]
 GROUPS = [1, 4, 8, 16, 32, 1 << 20]  # 1 << 20: every token block in one group (the old order)
 SMALL_TILES = [dict(BLOCK_N=16, BLOCK_V=32, BLOCK_K=16), dict(BLOCK_N=32, BLOCK_V=16, BLOCK_K=32)]
+RANKS_STAGE = "forward tiles with ranks"  # kernel "forward" with need_ranks (compile_vs_device.py reads it)
 
 
 class Problem:
@@ -110,13 +115,15 @@ def compiled_facts(jit_fn) -> dict:
         return {}
 
 
-def sweep(stage, kernel, settings, fn, jit_fn, reference, timer, deadline, fixed=None) -> list[dict]:
+def sweep(stage, kernel, settings, fn, jit_fn, reference, timer, deadline, done, tags, fixed=None) -> list[dict]:
+    """This stage's rows, each also appended to ``done`` (with ``tags``) as soon as it is finished: a run
+    stopped in the middle of a stage keeps the settings it timed."""
     from hf_mhce.ops.triton_tile import override_tiles
 
     rows = []
     for s in settings:
         full = {**(fixed or {}), **s}
-        row = {"stage": stage, "kernel": kernel, "settings": full}
+        row = {"stage": stage, "kernel": kernel, "settings": full, **tags}
         if time.monotonic() > deadline:
             row["note"] = "skipped: time budget spent"
         else:
@@ -128,6 +135,7 @@ def sweep(stage, kernel, settings, fn, jit_fn, reference, timer, deadline, fixed
             except Exception as err:  # out of resources (shared memory) is a result, not a crash
                 row["note"] = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
         rows.append(row)
+        done.append(row)
         print(json.dumps(row), flush=True)
     return rows
 
@@ -153,7 +161,8 @@ def tolerance(dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-3  # 16-bit dX/dW: one rounding of each element
 
 
-def run(args, device, dtype) -> list[dict]:
+def run(args, device, dtype, rows=None, save=lambda: None) -> list[dict]:
+    """The stages, their rows appended to ``rows`` as they finish; ``save()`` after every stage."""
     from hf_mhce.ops import triton_backward, triton_forward
 
     start = time.monotonic()
@@ -164,14 +173,15 @@ def run(args, device, dtype) -> list[dict]:
     fwd_tiles, bwd_tiles = (SMALL_TILES, SMALL_TILES) if args.small else (FORWARD, BACKWARD)
     tol = tolerance(dtype)
     kernels = {"forward": triton_forward._forward_kernel, "backward": triton_backward._dlogits_kernel}
-    rows = []
+    rows = [] if rows is None else rows
 
     def stage(name, kernel, settings, problem, ref, fixed=None, fn=None) -> dict:
-        """Sweep, tag, time the fastest again; returns the winning settings ({} if none held)."""
+        """Sweep, tag, time the fastest again, save; returns the winning settings ({} if none held)."""
         fn = fn or getattr(problem, kernel)
-        got = sweep(name, kernel, settings, fn, kernels[kernel], ref, timer, deadline, fixed)
-        got = [{**r, "heads": problem.heads, "D": d, "V": v, "N": problem.n} for r in got]
-        rows.extend(retime(got, fn, kernel, timer, deadline, tol))
+        tags = {"heads": problem.heads, "D": d, "V": v, "N": problem.n}
+        got = sweep(name, kernel, settings, fn, kernels[kernel], ref, timer, deadline, rows, tags, fixed)
+        retime(got, fn, kernel, timer, deadline, tol)
+        save()
         ranked = best(got, tol)
         return ranked[0]["settings"] if ranked else {}
 
@@ -181,7 +191,7 @@ def run(args, device, dtype) -> list[dict]:
         win = stage("backward tiles", "backward", bwd_tiles, big, ref)
         stage("backward groups", "backward", [{"GROUP_N": g} for g in GROUPS], big, ref, win)
         del ref
-        stage("forward tiles with ranks", "forward", fwd_tiles[:len(RANKS_TILES)] if args.small else RANKS_TILES, big,
+        stage(RANKS_STAGE, "forward", fwd_tiles[:len(RANKS_TILES)] if args.small else RANKS_TILES, big,
               big.forward_ranks(first=True), fn=big.forward_ranks)
         win = stage("forward tiles", "forward", fwd_tiles, big, big.forward(first=True))
         small = Problem(n_small, d, v, heads, device, dtype)
@@ -193,12 +203,13 @@ def run(args, device, dtype) -> list[dict]:
     return rows
 
 
-def markdown(rows, device_name, today, tol) -> str:
+def markdown(rows, device_name, today, tol, stopped="") -> str:
     from hf_mhce.ops.triton_tile import _GPU_DEFAULTS
 
     lines = [f"# Tile sweep on {device_name} ({today})", "",
-             f"Median ms (CUDA events, peers.Timer), `again` = a second timing of the fastest three; err = relative L2 difference from "
-             f"the default setting's output (picked only if <= {tol:g}). Defaults at the time: `{_GPU_DEFAULTS}`.", ""]
+             f"Median ms (CUDA events, timing.Timer), `again` = a second timing of the fastest three; err = relative L2 difference from "
+             f"the default setting's output (picked only if <= {tol:g}). Defaults at the time: `{_GPU_DEFAULTS}`.", "",
+             *([f"**{stopped}**", ""] if stopped else [])]
     for key in dict.fromkeys((r["heads"], r["stage"], r["N"]) for r in rows):
         group = [r for r in rows if (r["heads"], r["stage"], r["N"]) == key]
         lines += [f"## H={key[0]}, {key[1]}, N={key[2]} (D={group[0]['D']}, V={group[0]['V']})", "",
@@ -226,8 +237,26 @@ def main(argv=None) -> list[dict]:
     name = device_label(device)
     today = datetime.date.today().isoformat()
     record = Record(p, args, f"tile_sweep-{name}-{today}" + ("-small" if args.small else ""), named={"small"})
-    rows = run(args, device, dtype)
-    record.write(rows, markdown(rows, name, today, tolerance(dtype)))
+    rows, started = [], time.monotonic()
+
+    def save(stopped="", echo=False):
+        record.write(rows, markdown(rows, name, today, tolerance(dtype), stopped), echo=echo)
+
+    def on_sigterm(signum, frame):  # device_run.sh stops a step at the call's budget: keep the rows finished
+        save(f"Stopped by signal {signum} after {time.monotonic() - started:.0f} s: the settings after the last "
+             "row were not run, and the re-timing of the stage in progress is missing.")
+        try:
+            sys.stdout.flush()
+        except Exception:  # interrupted inside a print: the record is written, the log line lost
+            pass
+        os._exit(128 + signum)  # at once: unwinding would resume a write the handler has just replaced
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        run(args, device, dtype, rows, save)
+    finally:  # an error (out of memory building a problem) still leaves the stages before it
+        signal.signal(signal.SIGTERM, previous)
+        save(echo=True)
     return rows
 
 

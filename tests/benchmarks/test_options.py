@@ -259,7 +259,7 @@ def test_device_run_tune_steps_get_distinct_records(monkeypatch, tmp_path):
     import torch
 
     monkeypatch.setenv("HF_MHCE_WORKSPACE_MB", "512")  # gpu_suite --workspace-mb sets it: restored after the test
-    text = (BENCH / "device_run.sh").read_text().replace("\\\n", " ")
+    text = (BENCH / "device_run.sh").read_text().replace("\\\n", " ").replace('"$sweep_s"', "300")  # a computed budget
     tune = text[text.index("  tune)\n"):text.index("  peers)\n")]
     steps = re.findall(r'python3 benchmarks/(\w+)\.py (.*?)--out "\$RECORDS"(.*)', tune)
     assert [s for s, *_ in steps] == ["gpu_suite"] * 6 + ["gpu_ties", "tile_sweep"], steps
@@ -310,6 +310,22 @@ def test_device_run_stops_a_step_in_time_to_pack_it(tmp_path, monkeypatch):
     with tarfile.open(out / "records.tar.gz") as tar:
         assert sorted(Path(n).name for n in tar.getnames() if n.endswith((".json", ".md"))) == [
             "first-shape.json", "first-shape.md"]
+
+
+@pytest.mark.parametrize("budget, slow_s, expected", [(100, 0, (35, 40)), (100, 3, (32, 37)), (70, 0, (20, 20))],
+                         ids=["left", "after_slow_steps", "minimum"])
+def test_device_run_gives_the_tile_sweep_what_is_left(tmp_path, monkeypatch, budget, slow_s, expected):
+    """step stops the sweep at what is left of the call's budget after the nine steps before it; a fixed
+    --budget-s 200 outlived that, the sweep was killed before it wrote anything.  Its budget is now the
+    time left less a margin (60 s), never under 20 s (then step's SIGTERM makes it write what it has)."""
+    log = tmp_path / "calls.txt"
+    python = ('case "$1" in -c) exit 0 ;; -m) exit 1 ;; esac\n'
+              f'echo "$@" >> {shlex.quote(str(log))}\n'
+              f'case "$1" in benchmarks/gpu_ties.py) sleep {slow_s} ;; esac')
+    monkeypatch.setenv("DEVICE_RUN_BUDGET_S", str(budget))
+    _device_run(tmp_path, "tune", fake={"nvidia-smi": "echo name; echo H100", "python3": python})
+    (sweep,) = [line.split() for line in log.read_text().splitlines() if line.startswith("benchmarks/tile_sweep.py")]
+    assert expected[0] <= float(sweep[sweep.index("--budget-s") + 1]) <= expected[1], sweep
 
 
 def test_each_row_runs_in_its_own_configuration_whatever_the_callers(monkeypatch):

@@ -90,3 +90,47 @@ def test_markdown_and_command_line(tmp_path, capsys):
     path.write_text(json.dumps({"not": "rows"}))
     assert targets.main([str(path)]) == 2 and "not a peers record" in capsys.readouterr().err
     assert targets.main([]) == 2
+
+
+def test_a_margin_inside_the_spread_is_within_noise():
+    """"No slower than CCE" rested on one median of ~5 runs: a margin smaller than the two rows' spreads
+    (interquartile range over the median, added) is shown as within noise, and counts as neither."""
+    group = [_row("cce", fwd_bwd_ms=25.0, fwd_bwd_spread=0.02), _row("liger", fwd_bwd_ms=30.0, fwd_bwd_spread=0.02),
+             _row("hf_mhce_ce", fwd_bwd_ms=25.5, fwd_bwd_spread=0.03, vs_floor=1.1, mem_vs_bound=1.0)]
+    found = _by(targets.verdicts(group))
+    cce, liger = found["cce", "hf_mhce_ce"], found["liger", "hf_mhce_ce"]
+    assert cce["holds"] is False and cce["within_noise"] and cce["spread"] == pytest.approx(0.05), cce
+    assert liger["holds"] is True and not liger["within_noise"], liger  # 15 % margin against 5 % spread
+    assert found["time", "hf_mhce_ce"]["within_noise"] is False  # 4.3 % margin against its own 3 %
+    assert targets.all_at_once(targets.verdicts(group)) == {"hf_mhce_ce (512 MB, default)": "not known (within noise: cce)"}
+    text = targets.markdown(group)
+    assert ("| cce | hf_mhce_ce (512 MB, default) | 1.02x cce | <= 1.0 | within noise (**no**; margin 2.0% < spread 5.0%) |"
+            in text)
+    group[1]["fwd_bwd_ms"] = 20.0  # a clear miss beside it
+    assert targets.all_at_once(targets.verdicts(group)) == {
+        "hf_mhce_ce (512 MB, default)": "no (misses liger; within noise: cce)"}
+    for r in group:  # rows without spreads (records before 2026-11-25): plain verdicts
+        r.pop("fwd_bwd_spread")
+    assert "within_noise" not in _by(targets.verdicts(group))["cce", "hf_mhce_ce"]
+
+
+def test_memory_shows_both_bounds():
+    """The verdict reads peak extra / (dX + dW); the issue says the bound (X, W, dX, dW): the table shows
+    that ratio too, recorded or, for older rows, from their peak and bound."""
+    group = [_row("hf_mhce_ce", fwd_bwd_ms=20.0, vs_floor=1.1, mem_vs_bound=1.2, mem_vs_full_bound=0.55),
+             _row("hf_mhce_ce_lean", fwd_bwd_ms=30.0, vs_floor=1.6, mem_vs_bound=1.03, peak_extra_mb=1030.0,
+                  floor_lower_bound_mb=2000.0)]
+    found = _by(targets.verdicts(group))
+    assert found["memory", "hf_mhce_ce"]["full_bound"] == 0.55 and found["memory", "hf_mhce_ce_lean"]["full_bound"] == 0.515
+    text = targets.markdown(group)
+    assert "| memory | hf_mhce_ce (512 MB, default) | 1.20x (0.55x X+W+dX+dW) | <= 1.05 | **no** |" in text, text
+    assert "the verdict reads the peak above the inputs against dX + dW" in text
+
+
+@pytest.mark.parametrize("record", sorted((BENCH / "results").glob("*-2026-11-24-peers-*.json")), ids=lambda p: p.stem)
+def test_records_of_the_first_gpu_run_still_render(record, capsys):
+    """Rows without the keys added since (spreads, grad-mode loss error, both bounds) read as not recorded."""
+    assert targets.main([str(record)]) == 0
+    text = capsys.readouterr().out
+    assert "### llama3, N=16384" in text or "### gpt2, N=16384" in text
+    assert "within noise" not in text and "X+W+dX+dW)" in text
