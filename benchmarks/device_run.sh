@@ -82,6 +82,8 @@ case "$STAGE" in
       --out "$RECORDS"
     # rank ties with duplicated target rows (the target logit rounds like the sweep's tiles)
     step gpu_ties python3 benchmarks/gpu_ties.py --out "$RECORDS"
+    # a softcap with several heads: the rank kernel's c * tanh must round as the target's (an fma once fused it)
+    step gpu_ties_softcap python3 benchmarks/gpu_ties.py --softcap 30 --heads 4 --out "$RECORDS"
     # confident tokens at Llama-3's vocabulary: the loss's relative error, ours and eager (NOTES change 13)
     step confident_large_vocab python3 benchmarks/confident_large_vocab.py --vocab 128256
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes: step stops it at what is left

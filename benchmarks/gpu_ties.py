@@ -1,6 +1,7 @@
 """GPU check of RBE ranks when rows of W duplicate the target's row (exact ties in real arithmetic).
 
     python benchmarks/gpu_ties.py                  # N=4096, V=32768, D=4096, bf16 + fp32, H=1 and 4
+    python benchmarks/gpu_ties.py --softcap 30 --heads 4   # Gemma-2's softcap (the rank kernel's c * tanh)
     TRITON_INTERPRET=1 python benchmarks/gpu_ties.py --device cpu --small   # checks the script (N=48, V=300, D=64)
 
 A rank counts the entries j != t strictly above the target.  A row of W equal to the target's row
@@ -34,17 +35,21 @@ NEAR = 1e-5  # relative gap below which a non-duplicate entry is a near-tie (flo
 EQUAL = 1e-12  # relative gap below which float64 values count as the same (duplicates)
 
 
-def reference(x, w, labels, heads, chunk=512):
-    """(ranks, ambiguous) from float64 logits: ranks with ties in the target's favour, and which rows
-    have a non-equal entry within NEAR of the target (under the mixture for several heads)."""
+def reference(x, w, labels, heads, softcap=None, chunk=512):
+    """(ranks, ambiguous) from float64 logits (softcapped: c * tanh(z / c)): ranks with ties in the target's
+    favour, and which rows have a non-equal entry within NEAR of the target (under the mixture for several heads)."""
     n, d = x.shape
     dh = d // heads
     wd = w.double().view(-1, heads, dh)
-    lse = torch.stack([torch.logsumexp(x[:, h * dh:(h + 1) * dh].double() @ wd[:, h].T, -1) for h in range(heads)], 1)
+
+    def capped(z):
+        return z if softcap is None else softcap * torch.tanh(z / softcap)
+    lse = torch.stack([torch.logsumexp(capped(x[:, h * dh:(h + 1) * dh].double() @ wd[:, h].T), -1)
+                       for h in range(heads)], 1)
     ranks, ambiguous = [], []
     for n0 in range(0, n, chunk):
         xs = x[n0:n0 + chunk].double().view(-1, heads, dh)
-        y = torch.einsum("nhd,vhd->nhv", xs, wd) - lse[n0:n0 + chunk, :, None]
+        y = capped(torch.einsum("nhd,vhd->nhv", xs, wd)) - lse[n0:n0 + chunk, :, None]
         logp = torch.logsumexp(y, 1)  # mixture log-prob up to log H: [rows, V]
         t = logp.gather(1, labels[n0:n0 + chunk, None])
         gap = (logp - t) / t.abs().clamp_min(1.0)
@@ -54,7 +59,7 @@ def reference(x, w, labels, heads, chunk=512):
     return torch.cat(ranks), torch.cat(ambiguous)
 
 
-def run_case(n, v, d, heads, dtype, device, forward="tile"):
+def run_case(n, v, d, heads, dtype, device, forward="tile", softcap=None):
     g = torch.Generator().manual_seed(heads)
     x = torch.randn(n, d, generator=g).to(device)
     w = (torch.randn(v, d, generator=g) / math.sqrt(d)).to(device)
@@ -62,13 +67,13 @@ def run_case(n, v, d, heads, dtype, device, forward="tile"):
     labels[: n // 4] = (x[: n // 4] @ w.T).argmax(-1).clamp_max(v - 2)  # well-ranked targets: ranks near 0
     w[labels + 1] = w[labels]  # each target's row also at the next index
     x, w = x.to(dtype), w.to(dtype)
-    row = {"forward": forward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "rows": n}
+    row = {"forward": forward, "dtype": str(dtype).replace("torch.", ""), "heads": heads, "rows": n, "softcap": softcap}
     stats_of = triton_forward.forward_stats if forward == "tile" else triton_forward_grad.slab_forward_stats
-    stats = stats_of(x, w, None, labels, heads, None, False, need_ranks=True)
+    stats = stats_of(x, w, None, labels, heads, softcap, False, need_ranks=True)
     if stats is None:  # the slabs do not apply (float32 under TF32, or no chunk fits the workspace)
         return {**row, "note": "slab_forward_stats does not apply here"}
     ranks = stats.ranks
-    expected, ambiguous = reference(x, w, labels, heads)
+    expected, ambiguous = reference(x, w, labels, heads, softcap)
     compared = ~ambiguous
     wrong = (ranks != expected) & compared
     return {**row, "near_tie_rows_left_out": int(ambiguous.sum()),
@@ -81,7 +86,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_device_options(p, reps=None)  # a correctness check: nothing is timed
     p.add_argument("--heads", type=positive_int, nargs="+", default=[1, 4])
+    p.add_argument("--softcap", type=float, default=None, help="logit softcap c (c * tanh(z / c)); default: none")
     args = p.parse_args(argv)
+    if args.softcap is not None and not (math.isfinite(args.softcap) and args.softcap > 0):
+        p.error(f"--softcap must be a positive number, got {args.softcap}")
     device = check_device(p, args)
     n, v, d = (48, 300, 64) if args.small else (4096, 32768, 4096)
     if any(d % h for h in args.heads):
@@ -92,10 +100,11 @@ def main(argv=None):
     for dt in dict.fromkeys(("float32", args.dtype)):  # --dtype float32: once
         for h in args.heads:
             for forward in ("tile", "slab") if h == 1 else ("tile",):
-                rows.append(run_case(n, v, d, h, getattr(torch, dt), device, forward))
+                rows.append(run_case(n, v, d, h, getattr(torch, dt), device, forward, args.softcap))
                 print(json.dumps(rows[-1]))
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    lines = [f"# Rank ties with duplicated target rows: N={n}, V={v}, D={d} on {name}", "",
+    cap = f", softcap {args.softcap:g}" if args.softcap else ""
+    lines = [f"# Rank ties with duplicated target rows: N={n}, V={v}, D={d}{cap} on {name}", "",
              "Target: wrong_ranks = 0 (rows with a non-duplicate near-tie are left out and counted).", "",
              "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r.get(k, "-")) for k in keys) + " |" for r in rows]

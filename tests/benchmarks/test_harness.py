@@ -33,6 +33,7 @@ RUNS = {
     # a budget of over 3x the setup (inputs, their statistics: ~3 s here): the first settings run, on a busy machine too
     "tile_sweep": ["tile_sweep", "--device", "cpu", "--small", "--reps", "1", "--budget-s", "10"],
     "gpu_ties": ["gpu_ties", "--device", "cpu", "--small", "--heads", "1", "2"],
+    "gpu_ties_softcap": ["gpu_ties", "--device", "cpu", "--small", "--heads", "2", "--softcap", "3"],
 }
 
 
@@ -100,6 +101,15 @@ def test_tile_sweep(run_all):
     for r in rows:
         assert not r.get("note", "").startswith("failed"), r
     assert all(r["rel_err_vs_default"] <= 2e-3 for r in timed), timed
+
+
+def test_gpu_ties_with_a_softcap(run_all):
+    """The softcap case device_run.sh checks on the GPU (where the rank kernel's c * tanh once went into an fma):
+    here the script's float64 reference with the cap, and the interpreted kernels, agree."""
+    rows = _run(run_all, "gpu_ties_softcap")
+    assert [(r["forward"], r["heads"], r["softcap"]) for r in rows] == [("tile", 2, 3.0)] * 2, rows
+    for r in rows:
+        assert r["wrong_ranks"] == 0 and r["duplicates_ranked_above"] == 0 and r["rows_compared"] >= 0.9 * r["rows"], r
 
 
 def test_gpu_ties(run_all):

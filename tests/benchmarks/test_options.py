@@ -262,7 +262,7 @@ def test_device_run_tune_steps_get_distinct_records(monkeypatch, tmp_path):
     text = (BENCH / "device_run.sh").read_text().replace("\\\n", " ").replace('"$sweep_s"', "300")  # a computed budget
     tune = text[text.index("  tune)\n"):text.index("  peers)\n")]
     steps = re.findall(r'python3 benchmarks/(\w+)\.py (.*?)--out "\$RECORDS"(.*)', tune)
-    assert [s for s, *_ in steps] == ["gpu_suite"] * 6 + ["gpu_ties", "tile_sweep"], steps
+    assert [s for s, *_ in steps] == ["gpu_suite"] * 6 + ["gpu_ties"] * 2 + ["tile_sweep"], steps
     stubs = {"gpu_suite": ("run_case", lambda *a: {"dtype": "bfloat16", "err_loss": 0.0}),
              "gpu_ties": ("run_case", lambda *a: {"forward": a[-1], "wrong_ranks": 0}), "tile_sweep": ("run", lambda *a: [])}
     for script, before, after in steps:
