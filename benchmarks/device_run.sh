@@ -86,18 +86,18 @@ case "$STAGE" in
     step gpu_ties_softcap python3 benchmarks/gpu_ties.py --softcap 30 --heads 4 --out "$RECORDS"
     # confident tokens at Llama-3's vocabulary: the loss's relative error, ours and eager (NOTES change 13)
     step confident_large_vocab python3 benchmarks/confident_large_vocab.py --vocab 128256
+    # confident tokens (log p_t from the sweep's own maximum), a saturated softcap (its derivative) and
+    # non-finite logits (NaN, as eager) on the GPU's kernels, if the image has pytest; before the sweep, which
+    # takes all the time left
+    step accuracy_on_gpu env HF_MHCE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
+      tests/losses/test_confident_tokens.py tests/losses/test_confident_large_vocab.py tests/losses/test_softcap_saturated.py \
+      tests/losses/test_nonfinite_logits.py
     # 2. tile sweep (P6), bounded so that the call ends inside its 10 minutes: step stops it at what is left
     # of BUDGET_S, so its own budget is that less SWEEP_MARGIN_S for what runs outside or past it (process
     # start, building the problems, the setting in flight, re-timing the fastest); it writes its record
     # after every stage and on step's SIGTERM
     sweep_s=$((BUDGET_S - SECONDS - SWEEP_MARGIN_S)); [ "$sweep_s" -ge "$SWEEP_MIN_S" ] || sweep_s=$SWEEP_MIN_S
     step tile_sweep python3 benchmarks/tile_sweep.py --heads 1 --budget-s "$sweep_s" --out "$RECORDS"
-    # 3. confident tokens (log p_t from the sweep's own maximum), a saturated softcap (its derivative) and
-    # non-finite logits (NaN, as eager)
-    # on the GPU's kernels, if the image has pytest
-    step accuracy_on_gpu env HF_MHCE_TEST_DEVICE=cuda TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider \
-      tests/losses/test_confident_tokens.py tests/losses/test_confident_large_vocab.py tests/losses/test_softcap_saturated.py \
-      tests/losses/test_nonfinite_logits.py
     ;;
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -238,8 +238,7 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate, logit_scale
                     row["loss_rel_err"] = abs(float(fn(x0, w, y0)) - ref_loss) / abs(ref_loss)
                 if hasattr(fn, "stats") and fn.stats.num_tokens != int((y0 != -100).sum()):  # ranks: a row timing no ranks
                     raise RuntimeError(f"{fn.stats.num_tokens} tokens ranked of {int((y0 != -100).sum())}")
-                if not forward_only:
-                    row.update(grad_errors(fn, x0, w, y0, ref_loss, ref_grads))
+                # timed before the gradient check, whose fwd+bwd at the same N would run out of memory first
                 measure(fn, forward_only, w, sets, timer, device, row)  # fills the row as it goes
                 row["vs_floor"] = row.get("fwd_bwd_ms", row["fwd_ms"]) / floor["fwd_bwd_ms" if "fwd_bwd_ms" in row else "fwd_ms"]
                 if "peak_extra_mb" in row:
@@ -247,6 +246,8 @@ def run_shape(label, d, v, n, variants, device, dtype, reps, rotate, logit_scale
                     # the whole bound X + W + dX + dW beside it
                     row["mem_vs_bound"] = row["peak_extra_mb"] / (floor["lower_bound_mb"] / 2)
                     row["mem_vs_full_bound"] = row["peak_extra_mb"] / floor["lower_bound_mb"]
+                if not forward_only:
+                    row.update(grad_errors(fn, x0, w, y0, ref_loss, ref_grads))
             except Unavailable as why:
                 row["note"] = str(why)
             except torch.cuda.OutOfMemoryError:

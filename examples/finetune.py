@@ -119,13 +119,16 @@ def parse(argv: list[str]):
     """The dataclasses, as ``hf-mhce train`` parses (a bad option is a usage error, exit status 2; a
     single .json / .yaml file may hold the options); --quick puts QUICK (and QUICK_SIZES, without --model) before
     the command line."""
-    args = parse_options(argv, ARGUMENTS, PROG, __doc__.split("\n")[0])
+    # the sizes and --vocab_size size the pretraining without --model: unused only beside one
+    args = parse_options(argv, ARGUMENTS, PROG, __doc__.split("\n")[0], notes=False)
     if args[0].quick:
         if len(argv) == 1 and not argv[0].startswith("--"):
             usage_error("--quick is a command-line option (it puts the reduced sizes before the others); "
                         "leave it out of the options file")
         sizes = [] if args[1].model else QUICK_SIZES  # the pretraining's model; a --model has its own
-        args = parse_options(sizes + QUICK + argv, ARGUMENTS, PROG, __doc__.split("\n")[0])  # later options win
+        args = parse_options(sizes + QUICK + argv, ARGUMENTS, PROG, __doc__.split("\n")[0], notes=False)  # later win
+    if args[1].model:
+        parse_options(argv, ARGUMENTS, PROG, __doc__.split("\n")[0])  # once, for the notes on what the user wrote
     if args[-1].output_dir == DEFAULT_OUTPUT_DIR:
         args[-1].output_dir = os.path.join(args[0].out, "model")
     return args

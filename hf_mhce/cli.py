@@ -68,6 +68,8 @@ def _rbe(args: argparse.Namespace) -> int:
 
     from .rbe.data import (DataError, block_size_refusal, hub_lookup_failed, load_texts, load_tokenizer,
                            looks_like_a_path, remote_code_option, token_blocks)
+    from .patching.families import UnsupportedModelError
+    from .patching.head import UnsupportedHeadError
     from .rbe.evaluate import as_row, evaluate
     from .rbe.plots import MISSING, available, plot_rank_distribution
 
@@ -122,8 +124,11 @@ def _rbe(args: argparse.Namespace) -> int:
         raise SystemExit(f"{args.dataset!r} has rows of up to {longest} token ids, more than the {limit} positions "
                          f"{args.model} takes")
 
-    with trusting():
-        model = _load_model(args.model, args.trust_remote_code)
+    try:
+        with trusting():
+            model = _load_model(args.model, args.trust_remote_code)
+    except (ValueError, UnsupportedModelError, UnsupportedHeadError) as err:  # the checkpoint's saved loss, its model
+        raise SystemExit(f"cannot evaluate {args.model}: {err}") from err
     vocab = model.get_input_embeddings().weight.shape[0]
     if top >= vocab:
         raise SystemExit(f"the tokenizer from {tokenizer_source} gives token id {top}, but {args.model} has {vocab} "
@@ -250,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     rbe.add_argument("model", help="checkpoint directory or hub id (loaded with hf_mhce.from_pretrained)")
     rbe.add_argument("--dataset", required=True,
                      help="a datasets name, a saved dataset directory, a folder of data files, or a file: "
-                          ".txt/.json/.jsonl/.csv/.parquet read by type, any other text file as plain text, each also "
-                          "as .gz/.bz2/.xz "
+                          ".txt/.json/.jsonl/.csv/.parquet read by type, any other text file as plain text, each but "
+                          ".parquet also as .gz/.bz2/.xz "
                           "(a text file is one document: EOS between files, never between its lines)")
     rbe.add_argument("--dataset-config", default=None)
     rbe.add_argument("--split", default=None,

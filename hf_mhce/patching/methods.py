@@ -328,13 +328,14 @@ def _reduce_ex(self, protocol):
     patch = self.__dict__.get(STATE_ATTR)
     if patch is not None:
         live_attr(self)  # re-installed where it sits now (an accelerate hook may have come or gone)
-        # accelerate's mixed-precision wrapper put around the patch since (Accelerator.prepare, a Trainer with
-        # bf16): the copy's patched forward goes under the same autocast, as a re-patch keeps it
-        patch.autocast = accelerate_wrapper_around_patch(self) or patch.autocast
     func, args, state, *rest = type(self).__reduce_ex__(self, protocol)
     if not isinstance(state, dict):  # pragma: no cover - nn.Module always reduces to its __dict__
         raise TypeError(f"cannot pickle a patched {type(self).__name__}: unexpected state {type(state)}")
     state = {k: v for k, v in state.items() if k != SECTIONS_ATTR and not _is_ours(v)}
+    prepared = accelerate_wrapper_around_patch(self) if patch is not None else None
+    if prepared is not None:  # accelerate's mixed-precision wrapper came after the patch (Accelerator.prepare, a
+        # Trainer with bf16): the copy's patched forward goes under the same autocast; this model's record is kept
+        state[STATE_ATTR] = dataclasses.replace(patch, autocast=prepared)
     return (_rebuild, (func, args), state, *rest)
 
 
@@ -349,9 +350,6 @@ def _setstate(self, state):
     del self.__dict__[_SETSTATE]
     type(self).__setstate__(self, state)
     if STATE_ATTR in self.__dict__:
-        # its own record: copy.copy shares the state's objects, and options set on one model must not
-        # reach the other
-        self.__dict__[STATE_ATTR] = dataclasses.replace(self.__dict__[STATE_ATTR])
         bind_forward(self)
     install(self)
 

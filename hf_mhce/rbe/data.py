@@ -78,7 +78,7 @@ def load_texts(path_or_name: str, split: str | None = None, config: str | None =
     hub/local dataset name.
 
     A file ending in .txt/.json/.jsonl/.csv/.parquet is read by datasets' loader for that type, any
-    other UTF-8 text file as plain text, each also when gzip/bzip2/xz-compressed (data.jsonl.gz); a
+    other UTF-8 text file as plain text, each but parquet also when gzip/bzip2/xz-compressed (data.jsonl.gz); a
     plain text file is one row (a document), as is each file of a folder of .txt files.  A folder
     mixing types (.txt and .jsonl, say) is refused: datasets would read one type and drop the others.
     ``split`` (default "test") picks a split of a dataset with splits; a single file or a saved Dataset
@@ -138,11 +138,12 @@ def _load_file(name: str, path: str, split: str | None, split_option: str):
         if kind is None:
             if not _is_utf8_text(path):
                 raise DataError(f"{name!r} is neither a text file nor one of the data files datasets reads "
-                                f"({', '.join(sorted(_FILE_TYPES))}, each may be {'/'.join(_COMPRESSED)}-compressed): "
-                                "convert it to one of them")
+                                f"({', '.join(sorted(_FILE_TYPES))}; all but .parquet also {'/'.join(_COMPRESSED)}-"
+                                "compressed): convert it to one of them")
             kind = "text"
-    except (OSError, EOFError, lzma.LZMAError) as err:  # a corrupt or truncated compressed file
-        raise DataError(f"could not decompress {name!r}: {err}") from None
+    except (OSError, EOFError, lzma.LZMAError) as err:  # a corrupt or truncated compressed file, say
+        compressed = os.path.splitext(path.lower())[1] in _COMPRESSED
+        raise DataError(f"could not {'decompress' if compressed else 'read'} {name!r}: {err}") from None
     try:
         return datasets.load_dataset(kind, data_files=path, split=_WHOLE, **(_TEXT_OPTIONS if kind == "text" else {}))
     except datasets.exceptions.DatasetGenerationError as err:  # the cause names the parse error
@@ -167,9 +168,13 @@ def _check_whole(name: str, split: str | None, what: str, split_option: str) -> 
 
 
 def _extension(path: str) -> str:
-    """The extension of the data inside: ".jsonl" for data.jsonl.gz."""
+    """The extension of the data inside: ".jsonl" for data.jsonl.gz (a compressed parquet, which pyarrow cannot
+    read, keeps its whole ".parquet.gz", a type of no loader)."""
     stem, ext = os.path.splitext(path.lower())
-    return os.path.splitext(stem)[1] if ext in _COMPRESSED else ext
+    if ext not in _COMPRESSED:
+        return ext
+    inner = os.path.splitext(stem)[1]
+    return inner + ext if inner == ".parquet" else inner
 
 
 def _open(path: str):

@@ -10,14 +10,15 @@ PROG = "hf-mhce train"
 
 
 def parse(argv: list[str] | None = None, arguments: tuple = ALL_ARGUMENTS, prog: str = PROG,
-          description: str = "Train a causal LM with hf_mhce's fused CE / MHCE and RBE evaluation."):
+          description: str = "Train a causal LM with hf_mhce's fused CE / MHCE and RBE evaluation.", notes: bool = True):
     """The argument dataclasses (``arguments``, TrainingArguments' last) from a command line, or from
     a single .json / .yaml file; a bad option is argparse's usage error (exit status 2).  An example
-    script passes its own dataclasses and ``prog`` (examples/finetune.py)."""
+    script passes its own dataclasses and ``prog`` (examples/finetune.py).  ``notes``: name on stderr the
+    options the run does not use (arguments.unused_options)."""
     parser = _parser(arguments, prog=prog, description=description)
     source = argv[0] + ": " if _options_file(argv) else ""  # where the options come from, in messages
     try:
-        return _parsed(parser, argv)
+        return _parsed(parser, argv, notes)
     except ValueError as err:
         # argparse's usage error, as for any other bad option: a ValueError of TrainingArguments' own
         # checks (or of an options file) is a wrong option, not a failure to show as a traceback
@@ -33,7 +34,7 @@ def check_options(argv: list[str]) -> None:
 
     try:  # exit_on_error=False: a value argparse cannot convert is an ArgumentError, not a usage exit
         model_args, data_args, loss_args, lora_args, training_args = _parsed(
-            _parser(ALL_ARGUMENTS, prog=PROG, exit_on_error=False), argv)
+            _parser(ALL_ARGUMENTS, prog=PROG, exit_on_error=False), argv, notes=False)
     except ArgumentError as err:
         raise ValueError(str(err)) from None
     check_schedule(training_args)
@@ -61,7 +62,7 @@ def _options_file(argv: list[str] | None) -> bool:
     return bool(argv) and len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml"))
 
 
-def _parsed(parser, argv: list[str] | None) -> tuple:
+def _parsed(parser, argv: list[str] | None, notes: bool = True) -> tuple:
     """``parse`` without the usage error: a ValueError names what is wrong."""
     if _options_file(argv):
         options = _typed(_file_options(argv[0], parser), parser, argv[0])
@@ -75,7 +76,8 @@ def _parsed(parser, argv: list[str] | None) -> tuple:
     if "num_train_epochs" in given and "max_steps" not in given:  # else the job's default max_steps wins
         parsed[-1].max_steps = -1
     _plots_if_installed(parsed, given)
-    _say_unused(parsed, given, parser.prog)
+    if notes:
+        _say_unused(parsed, given, parser.prog)
     return tuple(parsed)
 
 

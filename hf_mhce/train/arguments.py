@@ -32,7 +32,7 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     dataset: str | None = field(default=None, metadata={
-        "help": "datasets name, saved dataset directory or text/json/csv/parquet file (or .gz/.bz2/.xz of one); "
+        "help": "datasets name, saved dataset directory, parquet or text/json/csv file (or .gz/.bz2/.xz of those); "
                 "default: the embedded corpus (Python's documentation from pydoc_data.topics) with stdlib source as a "
                 "second eval set"})
     dataset_config: str | None = field(default=None, metadata={"help": "configuration name of a datasets dataset"})

@@ -129,3 +129,7 @@ def test_finetune_quick_sizes_only_the_model_it_pretrains(tmp_path, capsys):
     _, model_args, *_ = finetune.parse(["--quick", "--model", "some/model", "--out", str(tmp_path)])
     assert model_args.hidden_size != 32 and "not used" not in capsys.readouterr().err
     assert finetune.parse(["--quick", "--out", str(tmp_path)])[1].hidden_size == 32
+    finetune.parse(["--quick", "--tokenizer", "my/tok", "--out", str(tmp_path)])  # the pretraining uses the sizes
+    assert "not used" not in capsys.readouterr().err
+    finetune.parse(["--quick", "--model", "some/model", "--hidden_size", "64", "--out", str(tmp_path)])
+    assert capsys.readouterr().err.count("--hidden_size not used") == 1  # what the user wrote, said once

@@ -144,3 +144,8 @@ def test_compressed_data_files_are_read_as_the_type_inside(codec, tmp_path):
     (tmp_path / f"broken.jsonl.{codec}").write_bytes(b"not compressed")
     with pytest.raises(DataError, match=f"could not decompress .*broken.jsonl.{codec}"):
         load_texts(str(tmp_path / f"broken.jsonl.{codec}"))
+    datasets.Dataset.from_dict({"text": rows}).to_parquet(tmp_path / "d.parquet")  # pyarrow reads no compressed one
+    with write(tmp_path / f"d.parquet.{codec}", "wb") as f:
+        f.write((tmp_path / "d.parquet").read_bytes())
+    with pytest.raises(DataError, match=r"is neither a text file nor .*all but \.parquet also"):
+        load_texts(str(tmp_path / f"d.parquet.{codec}"))

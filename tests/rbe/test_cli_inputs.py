@@ -3,6 +3,7 @@ dataset paths, block sizes, splits, padded token-id datasets, counts, outputs.  
 plain transformers losses; refusals must name the problem before any numbers are printed.  Documents,
 columns and labels: test_cli_documents.py; the shared checkpoints: conftest.py."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -321,3 +322,15 @@ def test_rbe_options_take_either_spelling(monkeypatch):
     assert (args.model, args.dataset, args.block_size, args.batch_size, args.max_blocks, args.text_column,
             args.dataset_config) == ("m_1", "d_x.txt", 32, 2, 3, "t_c", "c")
     assert args.no_progress and args.trust_remote_code
+
+
+def test_a_checkpoint_the_patch_refuses_is_a_usage_error(ckpt, tmp_path, capsys):
+    """A saved loss that does not fit the model (num_heads 3 on hidden size 32) was a ValueError traceback, exit 1."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt[0] / "gpt2", bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hf_mhce": {"loss": "mhce", "num_heads": 3}}))
+    msg = refused(bad, "--dataset", ckpt[0] / "c.txt", capsys=capsys)
+    assert f"hf-mhce rbe: error: cannot evaluate {bad}: " in msg and "num_heads=3" in msg, msg
