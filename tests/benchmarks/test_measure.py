@@ -93,21 +93,12 @@ def test_cuda_timer_times_at_least_reps_runs(monkeypatch):
     100-400 ms, and its median is then one sample.  Stubs: CUDA events on the host clock; the old
     do_bench path is triton's loop (testing.py) on those events."""
     import peers
-    import timing
     import triton.testing
 
+    from host_clock import stub_cuda_timing
+
     samples = []
-
-    class Event:
-        def __init__(self, enable_timing=False):
-            self.t = None
-
-        def record(self):
-            self.t = time.perf_counter()
-
-        def elapsed_time(self, end):
-            samples.append(1000 * (end.t - self.t))
-            return samples[-1]
+    Event = stub_cuda_timing(monkeypatch, samples)
 
     def do_bench(fn, warmup=25, rep=100, return_mode="mean", **kwargs):
         fn()
@@ -127,10 +118,7 @@ def test_cuda_timer_times_at_least_reps_runs(monkeypatch):
             e.record()
         return statistics.median(s.elapsed_time(e) for s, e in runs)
 
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
-    monkeypatch.setattr(timing, "_flush_buffer", lambda device: torch.empty(1))  # the Timer's module
     ms = peers.Timer(torch.device("cuda"), reps=5)(lambda: time.sleep(0.04))
     assert len(samples) >= 5, samples
     assert 35 < ms < 80, ms

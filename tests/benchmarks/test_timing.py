@@ -50,19 +50,9 @@ def test_backward_is_timed_alone():
 
 def test_cuda_timer_times_only_the_body_after_prepare(monkeypatch):
     """The CUDA path: prepare() runs before the start event, the body between the events."""
-    class Event:
-        def __init__(self, enable_timing=False):
-            self.t = None
+    from host_clock import stub_cuda_timing
 
-        def record(self):
-            self.t = time.perf_counter()
-
-        def elapsed_time(self, end):
-            return 1000 * (end.t - self.t)
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(timing, "_flush_buffer", lambda device: torch.empty(1))
+    stub_cuda_timing(monkeypatch)
     got = []
     timer = timing.Timer(torch.device("cuda"), reps=3)
     ms = timer(lambda prepared: (got.append(prepared), time.sleep(0.005)), prepare=lambda: time.sleep(0.03) or "graph")
