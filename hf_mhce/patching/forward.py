@@ -33,7 +33,7 @@ from .callers import check_trainer_loss, custom_compute_loss_warning, trainer_ne
 from .config import LossConfig
 from .families import LOSS_KWARGS, LogitFacts, check_loss_function, decoder_of, logit_transform, named_inputs, stock_forward
 from .fused_head import FusedLMHeadOutput, fused_head_output
-from .head import fused_operands, mixed_batch_adapters, resolve_head
+from .head import fused_operands, head_rng_state, mixed_batch_adapters, resolve_head, restore_rng_state
 from .routers import RouterFacts, router_loss, wants_router_logits
 from .sharding import call_through
 
@@ -172,7 +172,7 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
     rng = None  # training logits beside the loss (asked for, or HF's tuple): replay the head's dropout
     if (model.training and labels is not None and not fused and (want_logits or (want_logits is None and not return_dict))
             and not torch.compiler.is_compiling()):
-        rng = _rng_state(model, hidden)
+        rng = head_rng_state(model, hidden)
     if fused:
         check_loss_function(model)
         result = fused_head_output(model, state, hidden, labels, **loss_kwargs)
@@ -197,7 +197,7 @@ def generic_forward(model: nn.Module, state: PatchState, *args, **kwargs):
         want_logits = trainer_needs_predictions()
     if loss is None or want_logits:
         if rng is not None:  # the head's dropout (LoRA) draws the loss's mask again: one sample, as unpatched
-            _set_rng_state(rng)
+            restore_rng_state(rng)
         logits = _logits(model, state, slice_logits_to_keep(hidden, logits_to_keep))
     elif not state.checked_compute_loss and not torch.compiler.is_compiling():
         custom_compute_loss_warning(state)
@@ -219,21 +219,6 @@ def _is_default(value, default) -> bool:
         return bool(value == default)
     except Exception:  # noqa: BLE001 - values that cannot be compared are not the default
         return False
-
-
-def _rng_state(model, hidden):
-    """The generator states before the loss, to replay for the logits: unpatched, one head call gives
-    both, so LoRA dropout on the head draws one mask; here the loss and the logits read the head apart.
-    CUDA: the devices of the hidden state and the head only (nn.DataParallel's replicas run in threads)."""
-    head = model.get_output_embeddings()
-    devices = {t.device for t in (hidden, *(head.parameters() if head is not None else ())) if t.device.type == "cuda"}
-    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
-
-
-def _set_rng_state(rng) -> None:
-    torch.set_rng_state(rng[0])
-    for device, state in rng[1].items():
-        torch.cuda.set_rng_state(state, device)
 
 
 def _warn_tuple_logits(state: PatchState) -> None:

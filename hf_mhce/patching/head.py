@@ -336,3 +336,18 @@ def _lora_terms(parts: HeadParts, hidden: torch.Tensor, num_heads: int):
             extra = (ad.lora_b.bias * ad.scaling).to(parts.weight.dtype)
             bias = extra if bias is None else bias + extra
     return (torch.cat(us, dim=-1), torch.cat(bs, dim=-1)), bias
+
+
+def head_rng_state(model, hidden):
+    """The generator states before the loss, to replay for the logits: unpatched, one head call gives
+    both, so LoRA dropout on the head draws one mask; here the loss and the logits read the head apart.
+    CUDA: the devices of the hidden state and the head only (nn.DataParallel's replicas run in threads)."""
+    head = model.get_output_embeddings()
+    devices = {t.device for t in (hidden, *(head.parameters() if head is not None else ())) if t.device.type == "cuda"}
+    return torch.get_rng_state(), {d: torch.cuda.get_rng_state(d) for d in devices}
+
+
+def restore_rng_state(rng) -> None:
+    torch.set_rng_state(rng[0])
+    for device, state in rng[1].items():
+        torch.cuda.set_rng_state(state, device)
