@@ -20,7 +20,7 @@ import triton.language as tl
 from .torch_sweep import SweepStats
 from .triton_ranks import mixture_ranks
 from .triton_tile import (add_tile, at_labels, dot_settings, launch_config, log_sum_from_rest_, logits_tile,
-                          low_rank_args, target_logits_tile)
+                          low_rank_args, target_logits_tile, vocab_splits)
 
 
 @triton.jit
@@ -86,14 +86,6 @@ def _forward_kernel(
         tl.store(LogitSum + partial, y_sum, mask=row_mask)
     if NEED_RANKS:
         tl.store(Ranks + split * N + rows, rank, mask=row_mask)
-
-
-def vocab_splits(n_programs: int, v_blocks: int, device: torch.device, requested: int | None) -> int:
-    """Vocabulary splits per token block: ``requested``, else enough programs for two per SM."""
-    if requested is None:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        requested = -(-2 * sms // max(1, n_programs))  # an empty batch (N = 0) launches nothing
-    return max(1, min(int(requested), v_blocks))
 
 
 def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_ranks=False, low_rank=None):

@@ -42,8 +42,8 @@ def dot_settings(dtype: torch.dtype) -> dict:
     }
 
 
-# Launch settings per kernel ("forward", "backward", "ranks").  SPLITS (forward): vocabulary splits per
-# token block, None = enough programs to fill the device twice.  GROUP_N (backward): token blocks per
+# Launch settings per kernel ("forward", "backward", "ranks").  SPLITS (forward, ranks): vocabulary splits
+# per token block, None = enough programs to fill the device twice.  GROUP_N (backward): token blocks per
 # group in the tile order, so that the programs running at once read a few X and W rows (L2).  "ranks"
 # compares its tiles' logits with the target logits formed with "forward"'s tiles: keep BLOCK_K and
 # num_warps equal so that both accumulate in the same order (exact ties; see target_logits_tile).
@@ -52,7 +52,7 @@ _GPU_DEFAULTS = {
     # the dY slab kernel: GPU timings owed (tile_sweep.py).  Compiled as launches specialize, 128 x 128 and
     # 64 x 256 at 8 warps do not spill either (compile-check-2026-11-24-sweep.md), so the sweep decides
     "backward": {"BLOCK_N": 64, "BLOCK_V": 128, "BLOCK_K": 32, "GROUP_N": 8},
-    "ranks": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 64},  # at H=4 neither 64 nor 128 spills: the GPU decides
+    "ranks": {"BLOCK_N": 64, "BLOCK_V": 64, "BLOCK_K": 64, "SPLITS": None},  # at H=4 neither 64 nor 128 spills: the GPU decides
 }
 # float32 inputs take exact FMA products (no tensor cores), whose operands sit in registers: for sm_80
 # ptxas spills 1 KB per thread in the forward at BLOCK_K 64, 12-20 bytes at 16-32, none on sm_90a
@@ -84,6 +84,14 @@ def launch_config(kernel: str, dtype: torch.dtype, device: torch.device | None =
     return cfg
 
 
+def vocab_splits(n_programs: int, v_blocks: int, device: torch.device, requested: int | None) -> int:
+    """Vocabulary splits per token block: ``requested``, else enough programs for two per SM."""
+    if requested is None:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        requested = -(-2 * sms // max(1, n_programs))  # an empty batch (N = 0) launches nothing
+    return max(1, min(int(requested), v_blocks))
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
@@ -99,7 +107,7 @@ def override_tiles(kernel: str, **settings):
     """Replace launch settings of ``kernel`` (tile sweeps and tests; not thread-safe).
 
     Keys: BLOCK_N, BLOCK_V, BLOCK_K (powers of two >= 16), num_warps, num_stages, SPLITS
-    (forward), GROUP_N (backward).
+    (forward, ranks), GROUP_N (backward).
     """
     if kernel not in _GPU_DEFAULTS:
         raise ValueError(f"unknown kernel {kernel!r}; one of {sorted(_GPU_DEFAULTS)}")

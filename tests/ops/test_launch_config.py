@@ -1,5 +1,5 @@
-"""Launch settings of the Triton kernels (interpreter): vocabulary splits of the forward and the
-grouped tile order of the backward give the float64 results for any setting, including splits that
+"""Launch settings of the Triton kernels (interpreter): vocabulary splits of the forward and of the
+several-head rank sweep, and the grouped tile order of the backward give the float64 results for any setting, including splits that
 do not divide the vocabulary blocks, more splits than blocks, partial groups and odd tile shapes.
 The tile sweep (benchmarks/tile_sweep.py) relies on this: any setting it picks computes the same
 function."""
@@ -47,6 +47,34 @@ def test_forward_splits_match_float64(splits, heads):
     for name in ("lse", "target", "logit_sum"):
         assert_close_scaled(getattr(got, name)[valid], getattr(ref, name)[valid].float(), name=name)
     assert torch.equal(got.ranks[valid], ref.ranks[valid])
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 50])
+@pytest.mark.parametrize("heads", [2, 4])
+def test_mixture_rank_splits_count_every_entry_once(splits, heads):
+    """The several-head rank sweep's vocabulary splits (83 columns in 16-column blocks: 6 blocks, 3 splits
+    uneven, 50 clamped): the counts of integer data with exact ties equal the float64 count, for any split
+    (rows with an entry within float32 rounding of the target left out)."""
+    fwd, tile = _triton()
+    g = torch.Generator().manual_seed(splits + 7 * heads)
+    n, v, d = 29, 83, 32
+    x = torch.randint(-2, 3, (n, d), generator=g).float()
+    w = torch.randint(-2, 3, (v, d), generator=g).float()
+    labels = torch.randint(0, v - 1, (n,), generator=g)
+    w[labels[:12] + 1] = w[labels[:12]]  # rows equal to a target's, across split edges too: exact ties
+    labels[::7] = -1
+    mix = torch.einsum("nhd,vhd->nhv", x.double().view(n, heads, -1), w.double().view(v, heads, -1))
+    mix = mix.log_softmax(-1).logsumexp(1) - math.log(heads)
+    valid = labels >= 0
+    gap = mix[valid] - mix[valid].gather(1, labels[valid, None])
+    expected = (gap > 0).sum(1)
+    # float32 decides entries within its rounding of the target apart from the exact ties: leave out rows with one
+    clear = ((gap.abs() > 1e-4) | (gap == 0)).all(1)
+    with tile.override_tiles("ranks", SPLITS=splits, BLOCK_V=16):
+        got = fwd.forward_stats(x, w, None, labels, heads, None, False, need_ranks=True)
+    assert torch.equal(got.ranks[valid][clear], expected[clear])
+    assert clear.sum() >= 0.5 * valid.sum() and (gap[clear] == 0).sum() > clear.sum()  # exact ties beyond the target
+    assert expected.unique().numel() > 5  # informative: ranks vary
 
 
 def test_forward_splits_exact_same_ranks_and_close_lse():
@@ -133,13 +161,13 @@ def test_override_is_scoped_and_validated():
 
 
 def test_auto_splits_fill_the_device():
-    fwd, _ = _triton()
+    _, tile = _triton()
     cpu = torch.device("cpu")
-    assert fwd.vocab_splits(64, 1002, cpu, 3) == 3
-    assert fwd.vocab_splits(64, 2, cpu, 3) == 2  # never more splits than vocabulary blocks
-    assert fwd.vocab_splits(64, 1002, cpu, None) == 1  # one "SM" off CUDA: 64 programs suffice
-    assert fwd.vocab_splits(1, 1002, cpu, None) == 2
-    assert fwd.vocab_splits(0, 1002, cpu, None) == 2  # an empty batch: nothing launches, no division by 0
+    assert tile.vocab_splits(64, 1002, cpu, 3) == 3
+    assert tile.vocab_splits(64, 2, cpu, 3) == 2  # never more splits than vocabulary blocks
+    assert tile.vocab_splits(64, 1002, cpu, None) == 1  # one "SM" off CUDA: 64 programs suffice
+    assert tile.vocab_splits(1, 1002, cpu, None) == 2
+    assert tile.vocab_splits(0, 1002, cpu, None) == 2  # an empty batch: nothing launches, no division by 0
 
 
 def test_empty_batch_with_automatic_vocab_splits():
