@@ -25,6 +25,7 @@ Variants (bf16 inputs, float32 loss):
   hf_mhce_ce_fast   the same with HF_MHCE_WORKSPACE_MB=8192: gradients in the forward (6NDV, more memory)
   hf_mhce_mhce4/8   hf_mhce.multi_head_cross_entropy with H = 4 / 8 (hf_mhce_mhce4_fast: 8192 MB as above)
   hf_mhce_ranks     hf_mhce CE forward under collect_ranks (evaluation: forward only)
+  hf_mhce_mhce4_ranks  the same for MHCE H = 4 (the ranks' second sweep under the mixture), against hf_mhce_mhce4
   slab_stats        candidate evaluation forward: cuBLAS float32 logit slabs and a row kernel
                     (triton_forward_grad.slab_forward_stats), against hf_mhce_ce's tile forward
   slab_ranks        the same with the target's rank in the row pass, against hf_mhce_ranks
@@ -53,7 +54,7 @@ SHAPES = {"gpt2": (768, 50257), "mistral7b": (4096, 32768), "llama3": (4096, 128
 SMALL = {"gpt2": (48, 263)}  # --small: the harness itself on CPU / under the interpreter (9 vocabulary tiles)
 PEERS = ("hf_eager", "compile_chunked", "liger", "cce", "cce_exact")
 OURS = ("hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast", "hf_mhce_mhce4", "hf_mhce_mhce4_fast", "hf_mhce_mhce8",
-        "hf_mhce_ranks")
+        "hf_mhce_ranks", "hf_mhce_mhce4_ranks")
 # Each row runs in the configuration its name says, whatever the caller's environment: the settings that
 # choose a schedule are unset (their defaults) unless the row sets them, and restored after it.
 SCHEDULE_SETTINGS = {"HF_MHCE_WORKSPACE_MB": None, "HF_MHCE_GRAD_IN_FORWARD": None}
@@ -140,6 +141,8 @@ def make_variant(name: str, device: torch.device):
         return (lambda x, w, y: cce(x, w, y, **options)), False
     if name in ("hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast"):
         return (lambda x, w, y: hf_mhce.linear_cross_entropy(x, w, y, backend="triton")), False
+    if name.endswith("_ranks") and name.startswith("hf_mhce_"):  # what RBECallback does in evaluation
+        return ranked_forward(heads_of(name)), True
     if name.startswith("hf_mhce_mhce"):
         heads = heads_of(name)
         return (lambda x, w, y: hf_mhce.multi_head_cross_entropy(x, w, y, heads, backend="triton")), False
@@ -160,16 +163,22 @@ def make_variant(name: str, device: torch.device):
         import slab_prototype
 
         return getattr(slab_prototype, name), False
-    if name == "hf_mhce_ranks":  # what RBECallback does in evaluation: ranks from the same sweep
-        from hf_mhce.losses import collect_ranks
-        from hf_mhce.rbe.stats import RBEStats
-
-        def ranked(x, w, y):
-            ranked.stats = RBEStats(w.shape[0], device=x.device)  # run_shape checks that every token was ranked
-            with collect_ranks(ranked.stats.add):
-                return hf_mhce.linear_cross_entropy(x, w, y, backend="triton")
-        return ranked, True
     raise ValueError(f"unknown variant {name!r}")
+
+
+def ranked_forward(heads: int):
+    """The evaluation forward with ranks: one head counts them in the same sweep, several in a second one."""
+    import hf_mhce
+    from hf_mhce.losses import collect_ranks
+    from hf_mhce.rbe.stats import RBEStats
+
+    def ranked(x, w, y):
+        ranked.stats = RBEStats(w.shape[0], device=x.device)  # run_shape checks that every token was ranked
+        with collect_ranks(ranked.stats.add):
+            if heads == 1:
+                return hf_mhce.linear_cross_entropy(x, w, y, backend="triton")
+            return hf_mhce.multi_head_cross_entropy(x, w, y, heads, backend="triton")
+    return ranked
 
 
 def inputs(n, d, v, device, dtype, rotate, seed=0, logit_scale=1.0):
@@ -189,7 +198,9 @@ def inputs(n, d, v, device, dtype, rotate, seed=0, logit_scale=1.0):
 
 def heads_of(name: str) -> int:
     """The number of MHCE heads a variant's loss has (1: cross-entropy)."""
-    return int(name.removeprefix("hf_mhce_mhce").removesuffix("_fast")) if name.startswith("hf_mhce_mhce") else 1
+    if not name.startswith("hf_mhce_mhce"):
+        return 1
+    return int(name.removeprefix("hf_mhce_mhce").removesuffix("_fast").removesuffix("_ranks"))
 
 
 def reference(x, w, labels, heads):

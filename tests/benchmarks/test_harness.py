@@ -24,7 +24,7 @@ RUNS = {
     # 9 tokens: one partial row block (the interpreter's time grows with the blocks; kernels are checked in tests/ops)
     "peers": ["peers", "--device", "cpu", "--small", "--tokens", "9", "--reps", "1", "--rotate", "1", "--variants",
               "hf_eager", "liger", "hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast", "hf_mhce_mhce4", "hf_mhce_ranks",
-              "slab_ranks", "slab_fwdgrad"],
+              "hf_mhce_mhce4_ranks", "slab_ranks", "slab_fwdgrad"],
     # V = 263: 9 vocabulary tiles under the interpreter (BLOCK_V 32), the last partial, like every tiny shape here
     **{f"gpu_suite_{name}": ["gpu_suite", "--device", "cpu", "--small", "--tokens", "21", "--vocab", "263",
                              "--hidden", "24", "--heads", "2", "--dtypes", "float32", "bfloat16", "--reps", "1",
@@ -58,7 +58,7 @@ def _run(run_all, name: str) -> list[dict]:
 
 def test_peers_table(run_all):
     variants = ["hf_eager", "liger", "hf_mhce_ce", "hf_mhce_ce_lean", "hf_mhce_ce_fast", "hf_mhce_mhce4", "hf_mhce_ranks",
-                "slab_ranks", "slab_fwdgrad"]
+                "hf_mhce_mhce4_ranks", "slab_ranks", "slab_fwdgrad"]
     assert RUNS["peers"][-len(variants):] == variants
     rows = _run(run_all, "peers")
     by_name = {r["variant"]: r for r in rows}
@@ -70,11 +70,12 @@ def test_peers_table(run_all):
         assert "note" not in r, r
         assert r["loss_rel_err"] < 1e-3, r  # MHCE rows against the MHCE reference, not CE's
         assert r["fwd_ms"] > 0 and r["vs_floor"] > 0
-        if name not in ("hf_mhce_ranks", "slab_ranks"):  # forward only (evaluation)
+        if name not in ("hf_mhce_ranks", "hf_mhce_mhce4_ranks", "slab_ranks"):  # forward only (evaluation)
             assert r["dx_rel_err"] < BF16_TOL and r["dw_rel_err"] < BF16_TOL, r
             assert r["fwd_bwd_ms"] > 0
     table = next((run_all[0] / "peers").glob("*.md")).read_text()
     assert "| hf_mhce_mhce4 |" in table and "floor" in table
+    assert "| ranks | hf_mhce_mhce4_ranks vs hf_mhce_mhce4 |" in table  # the several-head rank sweep against its forward
     # the P6 verdicts (benchmarks/targets.py): liger cannot run here, so its comparison is owed, not passed
     assert "## P6 targets" in table and "| liger | hf_mhce_ce (512 MB, default) | - | < 1.0 | owed: liger: " in table
     assert "- every CE target at once, hf_mhce_ce_fast (8192 MB): no (misses time; owed: cce, liger, memory)" in table
