@@ -13,7 +13,7 @@ LM head has the same shape for every H), optimizer and number of steps.  Only th
 OWN distribution: for MHCE the uniform mixture of the H head softmaxes (eval loss = -log pbar[target],
 perplexity = exp(eval loss)), on two evaluation sets, "docs" (held-out documentation topics) and
 "code" (standard-library source, out of domain), with the RBE decomposition of that cross-entropy
-(CE = Error-Entropy + Self-Alignment - Confidence, nats; see section 3 of the brief).
+(CE = Error-Entropy + Self-Alignment - Confidence, nats; see the README's "RBE decomposition").
 
 Runs go to ``--workers`` parallel processes (``hf-mhce train`` subprocesses with ``--threads`` torch
 threads each: see parallel_runs.py; ``--workers 1`` runs them in this process).  These models are

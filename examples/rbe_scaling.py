@@ -12,7 +12,7 @@ the same tokenizer (a byte-level BPE trained once), data order, optimizer, learn
 number of steps; loss CE by default (``--loss mhce`` works too: the decomposition is then of each
 model's own mixture distribution).  The final evaluation gives, on "docs" (held-out documentation
 topics) and "code" (standard-library source, out of domain), the RBE decomposition
-    CE = Error-Entropy + Self-Alignment - Confidence   (nats; section 3 of the brief).
+    CE = Error-Entropy + Self-Alignment - Confidence   (nats; the README's "RBE decomposition").
 Power laws y = a * N^b are fitted by least squares on log y vs log N (so R^2 is that of the log-log
 line, in [0, 1]) for y = CE and y = Error-Entropy, against N = all parameters (the paper's model
 sizes count them all) and, in results.json, against non-embedding parameters too.  The paper (32

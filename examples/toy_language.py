@@ -26,7 +26,7 @@ weight decay), batches of 256 (token, next token) pairs drawn from a 200k-token 
 seed the corpus and every initial weight are the same for all H, so the runs differ only in H.
 
 After training: PCA of the 40 rows of E (centred); the share of the variance in PC1+PC2 per H,
-next to the published numbers (bigram MLP, same language; section 2 of the brief); the cluster
+next to the published numbers (bigram MLP, same language, in the MHCE paper's toy experiment); the cluster
 tightness = mean within-class / mean between-class pairwise distance in the PC1-PC2 plane (lower is
 tighter; also given over all D dimensions); how well the model learned the language (expected
 cross-entropy under the true bigram distribution, its gap to the optimum, and the next-class

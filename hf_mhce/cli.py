@@ -258,18 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
                           ".txt/.json/.jsonl/.csv/.parquet read by type, any other text file as plain text, each but "
                           ".parquet also as .gz/.bz2/.xz "
                           "(a text file is one document: EOS between files, never between its lines)")
-    rbe.add_argument("--dataset-config", default=None)
+    rbe.add_argument("--dataset-config", default=None, help="configuration name of a datasets dataset")
     rbe.add_argument("--split", default=None,
                      help="split of a dataset with splits (default: test); a single file or saved Dataset has none "
                           "and is evaluated whole")
-    rbe.add_argument("--text-column", default="text")
+    rbe.add_argument("--text-column", default="text", help="column holding the text (default: text)")
     rbe.add_argument("--tokenizer", default=None, help="defaults to the model's")
     rbe.add_argument("--block-size", type=_block_size, default=None,
                      help="tokens per evaluated block, at least 2 and at most the model's positions "
                           "(default: 256, or the model's positions if fewer)")
-    rbe.add_argument("--batch-size", type=positive_int, default=8)
+    rbe.add_argument("--batch-size", type=positive_int, default=8, help="blocks per forward (default: 8)")
     rbe.add_argument("--max-blocks", type=positive_int, default=None, help="evaluate at most this many blocks")
-    rbe.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    rbe.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                     help="device of the model (default: cuda where available, else cpu)")
     rbe.add_argument("--json", type=output_file, default=None,
                      help="write the report as JSON to this file (its directory must exist): the metrics with the model, "
                           "dataset, split, text column, tokenizer, block size and number of blocks evaluated")

@@ -4,7 +4,7 @@ Inside ``with collect_ranks(sink):`` every fused loss computed without gradient 
 forward) also asks the sweep for the target ranks -- in the same pass for one head -- and calls
 ``sink(ranks, nll)`` with the counted tokens' ranks (int64) and NLL -log pbar_t (float32/64, no
 label smoothing or z-loss).  The patched model forward needs no new argument for this: the RBE
-callback wraps the evaluation loop in the context.
+callback enters the context around each of the evaluated model's forwards (hooks), ``rbe.evaluate`` around its loop.
 """
 
 from __future__ import annotations

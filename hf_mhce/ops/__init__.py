@@ -5,7 +5,7 @@ implementations with the same signatures:
 
 - ``torch_sweep``: chunked torch, any device, memory bounded by ``HF_MHCE_CHUNK_MB``;
 - ``triton_forward`` / ``triton_backward``: Triton kernels for CUDA (or CPU under
-  ``TRITON_INTERPRET=1``), imported lazily because triton is optional;
+  ``TRITON_INTERPRET=1``), imported lazily (triton is a dependency on Linux only, and its import is slow);
 - ``triton_forward_grad``: the Triton backend's forward that also computes the gradients of a mean or
   summed loss (statistics and gradients in one pass over the logits).
 

@@ -1,6 +1,6 @@
 """Options of ``hf-mhce train`` as HfArgumentParser dataclasses (so ``--help`` lists every option and
 a JSON or YAML file can hold them).  Every TrainingArguments option is accepted too; the defaults
-below make the embedded run finish in a few minutes on two CPU cores."""
+below make the embedded run finish in about a minute on two idle CPU cores."""
 
 from __future__ import annotations
 
@@ -32,14 +32,16 @@ class ModelArguments:
 @dataclass
 class DataArguments:
     dataset: str | None = field(default=None, metadata={
-        "help": "datasets name, saved dataset directory, parquet or text/json/csv file (or .gz/.bz2/.xz of those); "
+        "help": "datasets name, saved dataset directory, text/json/csv file (also .gz/.bz2/.xz) or parquet file "
+                "(uncompressed); "
                 "default: the embedded corpus (Python's documentation from pydoc_data.topics) with stdlib source as a "
                 "second eval set"})
     dataset_config: str | None = field(default=None, metadata={"help": "configuration name of a datasets dataset"})
     text_column: str = field(default="text", metadata={"help": "column holding the text"})
     train_split: str = field(default="train", metadata={"help": "training split"})
     eval_split: str = field(default="validation", metadata={
-        "help": "evaluation split; if the dataset has none, --eval_fraction of the training text is held out"})
+        "help": "evaluation split; if the dataset has no split of the default name (validation), --eval_fraction of "
+                "the training text is held out; a split named otherwise must exist"})
     eval_fraction: float = field(default=0.1, metadata={"help": "share of the training text held out, in (0, 1)"})
     block_size: int = field(default=64, metadata={"help": "tokens per training / evaluation block (>= 2)"})
     max_train_blocks: int | None = field(default=None, metadata={"help": "training blocks kept; 0 = all"})
@@ -253,8 +255,8 @@ def unused_options(model_args, given: set, resume: str | None) -> list[str]:
     notes = []
     sizes = [f"--{name}" for name in SIZE_OPTIONS if name in given]
     if sizes and model_args.model:
-        notes.append(f"{', '.join(sizes)} not used: they size the default Llama, and --model {model_args.model} "
-                     "has its own sizes")
+        notes.append(f"{', '.join(sizes)} not used: {'they size' if len(sizes) > 1 else 'it sizes'} the default Llama, "
+                     f"and --model {model_args.model} has its own sizes")
     if "vocab_size" in given:
         tokenizer = (f"--tokenizer {model_args.tokenizer}" if model_args.tokenizer
                      else f"the tokenizer of --model {model_args.model}" if model_args.model

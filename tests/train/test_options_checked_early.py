@@ -138,6 +138,8 @@ def test_options_the_run_does_not_use_are_named(tmp_path, capsys):
            "tokenizer of --model some/model" in err
     parse(["--tokenizer", "my/tok", "--vocab_size", "500"])
     assert "this run loads --tokenizer my/tok" in capsys.readouterr().err
+    parse(["--model", "some/model", "--hidden_size", "64"])
+    assert "--hidden_size not used: it sizes the default Llama" in capsys.readouterr().err
     (tmp_path / "checkpoint-2").mkdir()
     (tmp_path / "checkpoint-2" / "tokenizer.json").write_text("{}")
     parse(["--vocab_size", "500", "--resume_from_checkpoint", str(tmp_path / "checkpoint-2")])
