@@ -12,7 +12,8 @@ from torch import nn
 
 from .card import set_card_section
 from .config import CONFIG_KEY, OPTION_NAMES, read_adapter_config, resolve_config
-from .families import FAMILIES, LogitFacts, UnsupportedModelError, check_loss_function, check_structure, model_type, unsupported
+from .families import (FAMILIES, LogitFacts, UnsupportedModelError, check_loss_function, check_structure, model_type,
+                       transforms_in_source, unsupported)
 from .forward import ABSENT, STATE_ATTR, TRAINER_IGNORE_INDEX, PatchState, mirrored_signature, restore_attr
 from .head import UnsupportedHeadError, resolve_head
 from .methods import (accelerate_autocast, accelerate_wrapper_around_patch, adopt_trl_head, bind_forward, forward_attr,
@@ -289,15 +290,21 @@ def _facts(model, out_cls, router, state) -> tuple[LogitFacts, dict]:
     facts = FAMILIES.get(kind)
     forward = original_forward(model, state)
     foreign = foreign_forward(model, forward)
-    if facts is not None and foreign is None:
-        return facts, {}
+    listed = facts is not None and foreign is None
+    if listed:
+        facts, table_facts = transforms_in_source(type(model), facts), facts
+        if facts == table_facts:
+            return facts, {}
+        # this transformers' forward lacks a transform the table lists: checked like an unlisted family
     # Probed per instance, never cached per class: a family may transform its logits by a config
     # value (HyperCLOVAX-like scales) that is the identity in one instance and not in the next.
     facts = facts or LogitFacts()
     sig = mirrored_signature(type(model))
     why = verify(model, out_cls, facts, router, forward, sig, _positional(sig))
     if why is not None:
-        head = (f"model type {kind!r} is not in the family table" if foreign is None else
+        head = (f"{type(model).__name__}.forward of this transformers release does not apply the logit transform "
+                f"the family table lists for {kind!r}" if listed else
+                f"model type {kind!r} is not in the family table" if foreign is None else
                 f"{foreign}, so the fused loss would bypass it,")
         raise unsupported(model, f"{head} and the generic forward does not reproduce its logits and loss: {why}")
     if foreign is None:

@@ -106,9 +106,10 @@ TESTED_FAMILIES = ("llama", "mistral", "gpt2")
 # Output fields the generic forward fills: loss and logits itself, the rest from the decoder.
 # transformers >= 5.24 names past_key_values "cache" and returns a multimodal base's encoder outputs as
 # image/video/audio_outputs (the *_hidden_states fields before it).
+# rope_deltas: Qwen2-VL's output carried it (from its base model's) until transformers 5.20.
 PASSTHROUGH_FIELDS = ("past_key_values", "cache", "hidden_states", "attentions", "cross_attentions", "cache_params",
                       "image_hidden_states", "video_hidden_states", "audio_hidden_states",
-                      "image_outputs", "video_outputs", "audio_outputs")
+                      "image_outputs", "video_outputs", "audio_outputs", "rope_deltas")
 
 REQUIREMENT = (
     "hf_mhce.apply_patch supports the families {tested} (tested end to end), {known} (family table, "
@@ -121,6 +122,28 @@ REQUIREMENT = (
     "image/video/audio_hidden_states or image/video/audio_outputs (and, for a mixture of "
     "experts, aux_loss and router_logits, with the loss adding transformers' load_balancing_loss_func)"
 )
+
+
+def transforms_in_source(model_class: type, facts: LogitFacts) -> LogitFacts:
+    """``facts`` less the logit transforms of which the installed forward's source shows no sign (a soft-cap:
+    any "softcap" / "soft_cap"; a scale: its attribute's name).  The table follows recent transformers, whose
+    forward may apply a transform an older release's does not (PaliGemma 2's cap, absent from 5.17's
+    PaliGemmaForConditionalGeneration).  Unchanged where the source cannot be read."""
+    forward = stock_forward(model_class)
+    try:
+        source = inspect.getsource(inspect.unwrap(forward)).lower() if forward is not None else None
+    except (OSError, TypeError):
+        source = None
+    if source is None:
+        return facts
+    shown = {}
+    if facts.softcap_attr and "softcap" not in source and "soft_cap" not in source:
+        shown.update(softcap_attr=None, float32_softcap=False)
+    for field_name in ("multiply_attr", "divide_attr"):
+        attr = getattr(facts, field_name)
+        if attr and attr.lower() not in source:
+            shown[field_name] = None
+    return dataclasses.replace(facts, **shown) if shown else facts
 
 
 def requirement_text() -> str:

@@ -173,6 +173,21 @@ def test_probe_runs_per_instance_not_per_class():
         apply_patch(scaled(4.0))
 
 
+def test_a_listed_transform_this_release_does_not_apply_is_left_out(monkeypatch):
+    """The table follows recent transformers; an older release's forward may lack a transform it lists
+    (PaliGemma 2's soft-cap is absent from transformers 5.17's forward, whose logits then came out capped
+    by the patch alone). Simulated: Llama listed with a soft-cap its forward never applies, and a config
+    value for it. The patch leaves the cap out (checked by the probe), so logits and loss match."""
+    monkeypatch.setitem(FAMILIES, "llama", LogitFacts(softcap_attr="final_logit_softcapping"))
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(**SIZES))
+    ref.config.final_logit_softcapping = 0.5  # would visibly change the logits if applied
+    check_equal(ref, apply_patch(twin(ref)))
+    monkeypatch.setitem(FAMILIES, "llama", LogitFacts(multiply_attr="logit_scale", scale_owner=""))
+    ref.config.logit_scale = 3.0
+    check_equal(ref, apply_patch(twin(ref)))
+
+
 class _AuxLossLlama(LlamaForCausalLM):
     """A user subclass of a listed family whose forward adds to the loss: the fused forward would skip it."""
 
