@@ -20,7 +20,7 @@ import triton.language as tl
 from .torch_sweep import SweepStats
 from .triton_ranks import mixture_ranks
 from .triton_tile import (add_tile, at_labels, dot_settings, launch_config, log_sum_from_rest_, logits_tile,
-                          low_rank_args, target_logits_tile, vocab_splits)
+                          low_rank_args, target_logits_tile, vocab_grid)
 
 
 @triton.jit
@@ -99,10 +99,7 @@ def forward_stats(x, w, bias, labels, num_heads, softcap, need_logit_sum, need_r
     dh = d // num_heads
     cfg = launch_config("forward", x.dtype, x.device)
     requested = cfg.pop("SPLITS")  # host side: the grid, not a kernel argument
-    n_blocks, v_blocks = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(v, cfg["BLOCK_V"])
-    splits = vocab_splits(n_blocks * num_heads, v_blocks, x.device, requested)
-    per_split = triton.cdiv(v_blocks, splits) * cfg["BLOCK_V"]
-    splits = triton.cdiv(v, per_split)  # no empty split: each holds at least one column
+    n_blocks, splits, per_split = vocab_grid(n, v, cfg["BLOCK_N"], cfg["BLOCK_V"], x.device, requested, num_heads)
     f32 = {"dtype": torch.float32, "device": x.device}
     top = torch.empty(splits, n, num_heads, **f32)
     rest = torch.empty(splits, n, num_heads, **f32)

@@ -4,8 +4,9 @@ with log pbar_j > log pbar_t, compared in float32.
 The mixture's per-entry log-probabilities need every head's logsumexp, so this is a second sweep
 after ``triton_forward``.  Grid: token blocks x vocabulary splits (as the forward's, so that a few
 thousand tokens still fill the device); each program streams its split and, per tile, combines the H
-head tiles with an online logsumexp; the splits' counts are added afterwards (exact integers).  The target's mixture value is built by the
-same sequence of operations from the target logits, so exact ties compare equal.
+head tiles with an online logsumexp; the splits' counts are added afterwards (exact integers).  The
+target's mixture value is built by the same sequence of operations from the target logits, so exact
+ties compare equal.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tile import at_labels, dot_settings, launch_config, logits_tile, low_rank_args, vocab_splits
+from .triton_tile import at_labels, dot_settings, launch_config, logits_tile, low_rank_args, vocab_grid
 
 
 @triton.jit
@@ -75,10 +76,7 @@ def mixture_ranks(x, w, bias, labels, lse, target, num_heads, softcap, low_rank=
     dh = d // num_heads
     cfg = launch_config("ranks", x.dtype, x.device)
     requested = cfg.pop("SPLITS")  # host side: the grid, not a kernel argument
-    n_blocks, v_blocks = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(v, cfg["BLOCK_V"])
-    splits = vocab_splits(n_blocks, v_blocks, x.device, requested)
-    per_split = triton.cdiv(v_blocks, splits) * cfg["BLOCK_V"]
-    splits = triton.cdiv(v, per_split)  # no empty split
+    n_blocks, splits, per_split = vocab_grid(n, v, cfg["BLOCK_N"], cfg["BLOCK_V"], x.device, requested)
     ranks = torch.empty(splits, n, dtype=torch.int64, device=x.device)
     u, lb, rank, stride_u, stride_lb = low_rank_args(low_rank, x)
     _mixture_rank_kernel[(n_blocks, splits)](

@@ -92,6 +92,16 @@ def vocab_splits(n_programs: int, v_blocks: int, device: torch.device, requested
     return max(1, min(int(requested), v_blocks))
 
 
+def vocab_grid(n: int, v: int, block_n: int, block_v: int, device: torch.device, requested: int | None,
+               heads: int = 1) -> tuple[int, int, int]:
+    """(token blocks, vocabulary splits, columns per split) of a sweep over [n, v] with ``heads`` programs
+    per tile; every split holds at least one column, so each writes its partial results."""
+    n_blocks, v_blocks = triton.cdiv(n, block_n), triton.cdiv(v, block_v)
+    splits = vocab_splits(n_blocks * heads, v_blocks, device, requested)
+    per_split = triton.cdiv(v_blocks, splits) * block_v
+    return n_blocks, triton.cdiv(v, per_split), per_split
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 

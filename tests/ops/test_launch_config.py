@@ -1,6 +1,7 @@
 """Launch settings of the Triton kernels (interpreter): vocabulary splits of the forward and of the
-several-head rank sweep, and the grouped tile order of the backward give the float64 results for any setting, including splits that
-do not divide the vocabulary blocks, more splits than blocks, partial groups and odd tile shapes.
+several-head rank sweep, and the grouped tile order of the backward give the float64 results for any
+setting, including splits that do not divide the vocabulary blocks, more splits than blocks, partial
+groups and odd tile shapes.
 The tile sweep (benchmarks/tile_sweep.py) relies on this: any setting it picks computes the same
 function."""
 
