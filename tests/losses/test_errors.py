@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_mhce  # no importorskip: a broken package must fail, not skip
+from hf_mhce.losses import dispatch
 import reference as R
 from reference import assert_no_worse_than_eager, make_inputs, run_with_grads
 
@@ -178,6 +179,12 @@ def test_backend_from_environment(monkeypatch):
     for value in ["torch", "auto", ""]:  # empty: the default, as for HF_MHCE_CHUNK_MB / HF_MHCE_WORKSPACE_MB
         monkeypatch.setenv("HF_MHCE_BACKEND", value)
         assert torch.equal(lce(hidden, weight, labels, bias=b), expected), value
+    cpu = torch.device("cpu")
+    for value in ["Torch", "AUTO"]:  # names are case-free, as an argument and in the environment
+        assert dispatch.resolve(value, cpu, torch.float32) is dispatch._TORCH_OPS, value
+        assert torch.equal(lce(hidden, weight, labels, bias=b, backend=value), expected), value
+        monkeypatch.setenv("HF_MHCE_BACKEND", value)
+        assert dispatch.resolve(None, cpu, torch.float32) is dispatch._TORCH_OPS, value
 
 
 # ------------------------------------------------------------------------------------------------

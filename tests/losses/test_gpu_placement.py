@@ -31,6 +31,7 @@ def test_gpus_older_than_volta_take_the_torch_path(monkeypatch):
     for capability, ops in (((6, 0), dispatch._TORCH_OPS), ((7, 0), "triton ops"), ((9, 0), "triton ops")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
         assert dispatch.resolve("auto", gpu, torch.bfloat16) is ops
+        assert dispatch.resolve("auto", gpu, torch.float64) is dispatch._TORCH_OPS  # no float64 kernels
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (6, 1))
     with pytest.raises(ValueError, match=r"compute capability 7.0 \(Volta\) or newer, cuda:0 has 6.1"):
         dispatch.resolve("triton", gpu, torch.bfloat16)

@@ -72,7 +72,9 @@ def test_empty_vocabulary_or_hidden_size(shape):
     ("ignore_index", None, TypeError, "ignore_index must be an int"),
     ("ignore_index", 1.5, TypeError, "ignore_index must be an int"),
     ("ignore_index", 2**70, ValueError, "ignore_index must fit in int64"),
+    ("ignore_index", 2**63, ValueError, "ignore_index must fit in int64"),  # the first value past int64
     ("num_items_in_batch", 2**70, ValueError, "count >= 0 that fits in int64, got 1180591620717411303424"),
+    ("num_items_in_batch", 2**63, ValueError, "count >= 0 that fits in int64, got 9223372036854775808"),
     ("num_items_in_batch", 1e-300, ValueError, r"is 0 \(1e-300 given, as torch.float32\) but some labels"),
     ("num_items_in_batch", -3, ValueError, "count >= 0"),
     ("num_items_in_batch", torch.tensor(-3), ValueError, "count >= 0"),

@@ -160,6 +160,27 @@ def test_bad_low_rank_is_named():
         mhce(x, w, labels, 2, low_rank=(u, b.double()))
     with pytest.raises(TypeError, match="pair"):
         mhce(x, w, labels, 2, low_rank=u)
+    with pytest.raises(ValueError, match=r"R >= 1"):  # a rank-0 adapter is named, not silently dropped
+        mhce(x, w, labels, 2, low_rank=(u[..., :0], b[:, :0]))
+
+
+def test_autocast_casts_the_pair():
+    """Under torch.autocast the pair is cast with the head, as nn.Linear casts its operands: float32
+    factors with a bf16 autocast give the all-bf16 loss and log-probabilities (and float32 gradients)."""
+    heads = 2
+    *tensors, labels = _inputs((7,), 8, 29, heads, 3)
+    x, w, u, b, bias = tensors
+    low = [t.bfloat16() for t in tensors]
+    want = mhce(*low[:2], labels, heads, bias=low[4], low_rank=(low[2], low[3]), backend="torch")
+    want_lp = hf_mhce.multi_head_logprobs(*low[:2], heads, bias=low[4], low_rank=(low[2], low[3]))
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = mhce(*leaves[:2], labels, heads, bias=leaves[4], low_rank=(leaves[2], leaves[3]), backend="torch")
+        got_lp = hf_mhce.multi_head_logprobs(x, w, heads, bias=bias, low_rank=(u, b))
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    assert got_lp.dtype == want_lp.dtype and torch.equal(got_lp, want_lp)
+    got.backward()
+    assert all(t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all() for t in leaves)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -226,26 +226,29 @@ def test_masked_vocabulary(H, splits, opts):
         assert_close_scaled(o, r, rtol=1e-5, atol=1e-6, name=name)
 
 
+@pytest.mark.parametrize("ignore_index", [-100, 3])
 @pytest.mark.parametrize("heads", [1, 2])
-def test_ignored_rows_with_nan_hidden_contribute_nothing(heads):
+def test_ignored_rows_with_nan_hidden_contribute_nothing(heads, ignore_index):
     """Padding rows (ignored labels) whose hidden state is NaN/inf (fully masked attention) leave every
     gradient as with finite rows there, whether their token tile is all padding (skipped) or mixed.
-    Eager torch makes dW NaN here (0 * NaN); the two backends used to disagree by tile layout."""
+    Eager torch makes dW NaN here (0 * NaN); the two backends used to disagree by tile layout.
+    An ignore_index inside the vocabulary (3) must not make the ignored rows' label a target column."""
     N, D, V, R_ = 40, 8, 37, 3  # interpreter tiles: BLOCK_N = 16, so rows 16-31 form one tile
     g = torch.Generator().manual_seed(5)
     x = torch.randn(N, D, generator=g)
     w, bias = torch.randn(V, D, generator=g), torch.randn(V, generator=g)
     u, b = torch.randn(N, heads, R_, generator=g), torch.randn(V, R_, generator=g) * 0.3
     labels = torch.randint(0, V, (N,), generator=g)
-    labels[16:32] = -100  # a tile of padding only
-    labels[5] = -100  # a padding row in a tile with counted tokens
+    labels[labels == ignore_index] = 4
+    labels[16:32] = ignore_index  # a tile of padding only
+    labels[5] = ignore_index  # a padding row in a tile with counted tokens
     poisoned, up = x.clone(), u.clone()
     poisoned[[5, 20]], up[[5, 20]] = float("nan"), float("inf")
 
     def grads(hidden, uu, backend):
         leaves = [t.clone().requires_grad_() for t in (hidden, w, bias, uu, b)]
         loss = mhce(leaves[0], leaves[1], labels, heads, bias=leaves[2], low_rank=(leaves[3], leaves[4]),
-                    backend=backend)
+                    ignore_index=ignore_index, backend=backend)
         loss.backward()
         return [loss] + [t.grad for t in leaves]
 

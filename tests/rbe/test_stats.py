@@ -83,6 +83,18 @@ def test_errors():
         RBEStats(10).add(torch.tensor([10]), torch.tensor([1.0]))
     with pytest.raises(ValueError, match="cannot merge"):
         RBEStats(10).merge(RBEStats(11))
+    with pytest.raises(ValueError, match=r"ranks \(3,\) and nll \(1,\) must have the same size"):
+        RBEStats(10).add(torch.tensor([1, 2, 3]), torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="counts must be non-negative"):
+        decompose(torch.tensor([3, -1, 2]), torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match="state over 1 ranks does not fit statistics over 10"):
+        RBEStats(10).load_state_dict(RBEStats(1).add(torch.tensor([0]), torch.tensor([1.0])).state_dict())
+
+
+def test_top5_counts_ranks_0_to_4():
+    # one token at rank 0 and one at rank 4 (the fifth entry): both in the top 5, half in the top 1
+    d = decompose(torch.tensor([1, 0, 0, 0, 1, 1]), torch.tensor([0.1, 0, 0, 0, 2.0, 3.0], dtype=torch.float64))
+    assert (d.top1, d.top5, d.mean_rank) == (pytest.approx(1 / 3), pytest.approx(2 / 3), 3.0)
 
 
 def test_one_observed_rank_has_no_negative_zero():
