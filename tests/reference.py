@@ -25,6 +25,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _have_triton() -> bool:
@@ -393,3 +394,20 @@ def assert_same_nonfinite(actual, expected, *, name="", **tol):
         assert_close_scaled(a[~inf], e[~inf], name=name, **tol)
     else:  # only ignored tokens are finite (label smoothing): exact zeros
         assert torch.equal(a[~inf], e[~inf]), f"{name}: finite entries differ"
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any aten op returns: ``largest`` (elements) and ``largest_bytes`` (of its
+    storage, so that a view of a larger buffer counts as that buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = self.largest_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+                self.largest_bytes = max(self.largest_bytes, t.untyped_storage().nbytes())
+        return out

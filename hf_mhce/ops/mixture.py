@@ -92,8 +92,9 @@ def grad_coefficients(
     """(alpha [N, H], target_grad [N, H], gamma [N]) with the incoming per-token gradient folded in.
 
     All three are exactly zero for invalid tokens, so that the sweeps skip nothing and still give them
-    a zero logits gradient (the sweeps additionally mask their NaN logits).  Their hidden rows still
-    enter dW through dz^T x: a NaN/inf hidden row makes dW NaN (0 * NaN), as torch's cross-entropy does.
+    a zero logits gradient (the sweeps additionally mask their NaN logits).  Their hidden rows would
+    still enter dW through dz^T x, where a NaN/inf row makes 0 * NaN: the sweeps zero those rows (of X
+    and U) before the products, so that padding with non-finite hidden states leaves dW finite.
     """
     num_heads = lse.shape[1]
     g = torch.where(valid, grad_tokens.to(lse.dtype), torch.zeros((), dtype=lse.dtype, device=lse.device))

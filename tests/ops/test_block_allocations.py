@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_mhce import multi_head_cross_entropy, multi_head_logprobs
 from hf_mhce.losses import collect_ranks
+from reference import LargestOutput
 
 
 class _BlockAllocations(TorchDispatchMode):
@@ -97,3 +98,22 @@ def test_float32_backward_allocates_dx_once(monkeypatch, heads):
         loss.backward()
     assert len(mode.storages) == 1, "dX allocated more than once"
     assert x.grad.untyped_storage().data_ptr() in mode.storages
+
+
+@pytest.mark.parametrize("heads", [1, 4, 8])
+def test_block_buffers_fit_the_budget_with_several_heads(monkeypatch, heads):
+    """A block holds H heads' logits: its rows are divided by H so that the four logits-sized buffers fit
+    HF_MHCE_CHUNK_MB whatever H (without that division a block of 8 heads was 1.6x the budget alone)."""
+    from hf_mhce.ops.torch_sweep import chunk_bytes
+
+    monkeypatch.setenv("HF_MHCE_CHUNK_MB", "1")
+    n, d, v = 512, 8, 4099  # logits of 8 MB per head; inputs and dW well below a quarter of the budget
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g).requires_grad_()
+    w = (torch.randn(v, d, generator=g) / 2).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+    with LargestOutput() as train:
+        multi_head_cross_entropy(x, w, labels, heads, softcap=3.0, backend="torch").backward()
+    with torch.no_grad(), collect_ranks(lambda ranks, nll: None), LargestOutput() as ranked:
+        multi_head_cross_entropy(x, w, labels, heads, softcap=3.0, backend="torch")
+    assert max(train.largest_bytes, ranked.largest_bytes) <= chunk_bytes() // 4, (train.largest_bytes, ranked.largest_bytes)

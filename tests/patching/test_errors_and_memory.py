@@ -7,7 +7,7 @@ import numpy
 import pytest
 import torch
 from patching_models import batch, make_model, twin
-from torch.utils._python_dispatch import TorchDispatchMode
+from reference import LargestOutput
 from transformers import BertConfig, BertForMaskedLM, BertModel, LlamaConfig, LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -137,21 +137,6 @@ def test_recorded_config_is_read_whole_or_refused():
     assert model.config.hf_mhce == typo and not is_patched(model)  # refused before anything changed
 
 
-class _LargestOutput(TorchDispatchMode):
-    """Records the largest tensor any aten op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("loss", ["ce", "mhce"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_no_full_logits_in_eval_with_labels(family, loss, monkeypatch):
@@ -169,7 +154,7 @@ def test_no_full_logits_in_eval_with_labels(family, loss, monkeypatch):
     head.__class__ = type("UncallableLinear", (type(head),), {"__call__": no_head_call})
     monkeypatch.setenv("HF_MHCE_CHUNK_MB", "0.05")  # the op's blocks stay well below [N, V]
     for grad in (False, True):
-        with torch.set_grad_enabled(grad), _LargestOutput() as mode:
+        with torch.set_grad_enabled(grad), LargestOutput() as mode:
             out = model(input_ids=ids, labels=labels)
             if grad:
                 out.loss.backward()

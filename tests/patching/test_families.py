@@ -104,6 +104,48 @@ def test_a_scale_is_read_where_the_forward_reads_it(model_type):
     check_equal(ref, model)
 
 
+@pytest.mark.parametrize("model_type", ["cohere", "granite"])
+def test_lora_with_bias_on_a_scaled_head(model_type):
+    """A scaled family scales every term of its head: the base weight's, the LoRA adapter's low-rank term and the
+    adapter's bias (PEFT lora_bias=True).  Loss, every gradient and the logits equal the unpatched model's."""
+    from peft import LoraConfig, get_peft_model
+
+    facts = FAMILIES[model_type]
+    attr = facts.multiply_attr or facts.divide_attr
+    torch.manual_seed(1)
+    ref = get_peft_model(tiny(model_type, **{attr: FACT_VALUES[attr]}),
+                         LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], lora_bias=True))
+    with torch.no_grad():  # PEFT starts B (and its bias) at zero: make the adapter's terms matter
+        for name, p in ref.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    check_equal(ref, apply_patch(twin(ref)))
+
+
+@pytest.mark.parametrize("model_type", ["cohere", "granite"])
+def test_mhce_logits_of_a_scaled_family(model_type):
+    """loss="mhce" on a family that multiplies (Cohere) or divides (Granite) its logits: the logits are log pbar of
+    the scaled heads (float64 reference), and -log pbar at the targets averages to the loss."""
+    from patching_models import mixture_logprobs_reference
+
+    facts = FAMILIES[model_type]
+    value = FACT_VALUES[facts.multiply_attr or facts.divide_attr]
+    model = apply_patch(tiny(model_type, **{facts.multiply_attr or facts.divide_attr: value}), loss="mhce",
+                        num_heads=2).eval()
+    ids, labels = batch()
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=labels).loss
+        logp = model(input_ids=ids).logits
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state
+    scale = value if facts.multiply_attr else 1.0 / value
+    want = mixture_logprobs_reference(hidden * scale, model.get_output_embeddings().weight, 2)
+    torch.testing.assert_close(logp.double(), want, rtol=1e-5, atol=1e-5)
+    target = labels[:, 1:]
+    valid = target != -100
+    nll = -logp[:, :-1][valid].gather(-1, target[valid][:, None]).mean()
+    torch.testing.assert_close(nll, loss, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("model_type", ["beam", "xlstm", "inkling2_text", "inkling2_loop_text"])
 def test_float32_logits_where_the_family_computes_them(model_type):
     """BEAM soft-caps in float32, xLSTM and Inkling-2 (and its Loop) return float32 logits: a bf16 model's patched

@@ -193,6 +193,10 @@ def test_custom_ignore_index_honours_a_count_without_ignored_labels():
     count = torch.tensor(10)
     torch.testing.assert_close(model(input_ids=ids, labels=ids, num_items_in_batch=count).loss,
                                ref(input_ids=ids, labels=ids, num_items_in_batch=count).loss)
+    # the first position predicts nothing (the shift drops its label): -1 there is not an ignored target
+    torch.testing.assert_close(model(input_ids=ids, labels=ids.index_fill(1, torch.tensor([0]), -1),
+                                     num_items_in_batch=count).loss,
+                               ref(input_ids=ids, labels=ids, num_items_in_batch=count).loss)
     with pytest.raises(ValueError, match="labels that hold ignore_index=-1 tokens"):
         model(input_ids=ids, labels=ids.masked_fill(ids == ids[0, 1], -1), num_items_in_batch=count)
 
