@@ -4,6 +4,8 @@
 #   (put the sweep's winners into hf_mhce/ops/triton_tile.py's _GPU_DEFAULTS, then)
 #   run(command="bash benchmarks/device_run.sh peers llama3", carry=[".whl"])           # the P6 table with
 #   run(command="bash benchmarks/device_run.sh peers gpt2 mistral7b", carry=[".whl"])   # those tiles
+# peers also takes token counts (default 4096 16384 32768): `peers llama3 32768` finishes a shape that a
+# call cut short, under its own record name (peers.py names every option that differs from its default).
 # What lands in $OUT (the tool returns at most 8 files, and a stage writes up to 10 records):
 # device.txt, log.txt (every table is printed there too), failures.txt (only if a step failed) and
 # records.tar.gz (each record's .json and .md, repacked after every step so that a run cut short
@@ -14,8 +16,8 @@
 # beforehand where PyPI is reachable:  pip download --no-deps -d .whl liger-kernel cut-cross-entropy
 set -uo pipefail  # no -e: one failing step must not cost the others (failures.txt says which)
 usage() {
-  echo "usage: bash benchmarks/device_run.sh tune | peers [gpt2|mistral7b|llama3 ...]   (needs an NVIDIA GPU;" \
-       "results in \$OUT, default a new folder under /tmp)" >&2
+  echo "usage: bash benchmarks/device_run.sh tune | peers [gpt2|mistral7b|llama3 ...] [TOKENS ...]   (needs an" \
+       "NVIDIA GPU; results in \$OUT, default a new folder under /tmp)" >&2
   exit 2
 }
 die() { echo "device_run.sh: $*" >&2; exit 1; }
@@ -24,7 +26,7 @@ die() { echo "device_run.sh: $*" >&2; exit 1; }
 STAGE=${1:-}
 case "$STAGE" in
   tune) [ $# -eq 1 ] || usage ;;
-  peers) for shape in "${@:2}"; do case "$shape" in gpt2|mistral7b|llama3) ;; *) usage ;; esac; done ;;
+  peers) for arg in "${@:2}"; do case "$arg" in gpt2|mistral7b|llama3) ;; ''|0*|*[!0-9]*) usage ;; esac; done ;;
   *) usage ;;
 esac
 shift
@@ -102,7 +104,10 @@ case "$STAGE" in
   peers)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || echo "peer wheels not installed" | tee -a "$OUT/failures.txt"
-    step peers python3 benchmarks/peers.py --out "$RECORDS" ${1:+--shapes "$@"}
+    shapes=() tokens=()
+    for arg in "$@"; do case "$arg" in *[!0-9]*) shapes+=("$arg") ;; *) tokens+=("$arg") ;; esac; done
+    step peers python3 benchmarks/peers.py --out "$RECORDS" ${shapes[0]:+--shapes "${shapes[@]}"} \
+      ${tokens[0]:+--tokens "${tokens[@]}"}
     ;;
 esac
 echo "results in $OUT"

@@ -232,8 +232,10 @@ def _device_run(tmp_path, *args, cwd=None, fake=None):
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("args", [[], ["tunee"], ["tune", "llama3"], ["peers", "llama4"]],
-                         ids=["none", "unknown", "tune_with_shape", "unknown_shape"])
+@pytest.mark.parametrize("args", [[], ["tunee"], ["tune", "llama3"], ["peers", "llama4"], ["peers", "llama3", "0"],
+                                  ["peers", "4k"], ["peers", "llama3", "04096"], ["peers", ""]],
+                         ids=["none", "unknown", "tune_with_shape", "unknown_shape", "zero_tokens", "tokens_not_a_number",
+                              "leading_zero", "empty"])
 def test_device_run_usage(tmp_path, args):
     before = results_listing()
     proc = _device_run(tmp_path, *args)
@@ -272,6 +274,20 @@ def test_device_run_tune_steps_get_distinct_records(monkeypatch, tmp_path):
         monkeypatch.setattr(module, "device_label", lambda device: "GPU")
         module.main([*shlex.split(before), *shlex.split(after), "--out", str(tmp_path)])
     assert len(list(tmp_path.glob("*.json"))) == len(steps), sorted(p.name for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, passed", [
+    ([], ""), (["llama3"], "--shapes llama3"), (["32768"], "--tokens 32768"),
+    (["gpt2", "4096", "mistral7b", "16384"], "--shapes gpt2 mistral7b --tokens 4096 16384"),
+], ids=["defaults", "shape", "tokens", "both"])
+def test_device_run_peers_passes_shapes_and_tokens(tmp_path, args, passed):
+    """peers SHAPE... TOKENS...: a shape that a call could not finish is run again for the token counts left."""
+    seen = tmp_path / "peers_args"
+    python = (f'case "$1" in -c) exit 0 ;; -m) exit 1 ;; esac\n'
+              f'[ "$1" = benchmarks/peers.py ] && shift 3 && echo "$@" > {shlex.quote(str(seen))}')  # past --out DIR
+    proc = _device_run(tmp_path, "peers", *args, fake={"nvidia-smi": "echo name; echo H100", "python3": python})
+    assert proc.returncode == 1 and "peer wheels not installed" in proc.stdout, proc  # pip is faked to fail
+    assert seen.read_text() == passed + "\n"
 
 
 def test_device_run_packs_the_records(tmp_path):
