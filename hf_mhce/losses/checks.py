@@ -181,6 +181,18 @@ def check_item_count(count) -> None:
         raise ValueError(f"num_items_in_batch must be a finite count >= 0 that fits in int64, got {count}")
 
 
+def int64_labels(labels: torch.Tensor) -> torch.Tensor:
+    """Integer ``labels`` of any dtype as int64 (others as given, for the checks to name).  A uint64 label
+    >= 2**63 is refused: the cast wraps it (2**64 - 100 would become -100, an ignored token)."""
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        return labels
+    flat = labels.to(torch.int64)
+    if labels.dtype == torch.uint64 and bool((flat < 0).any()):
+        value = int(flat[flat < 0][0]) + 2**64
+        raise ValueError(f"label {value} is outside the vocabulary (a uint64 label >= 2**63)")
+    return flat
+
+
 def prepare(hidden, weight, bias, labels, ignore_index: int) -> LossInputs:
     """Validate labels against hidden and the vocabulary; flatten everything for the ops."""
     if not isinstance(labels, torch.Tensor):
@@ -193,7 +205,7 @@ def prepare(hidden, weight, bias, labels, ignore_index: int) -> LossInputs:
             f"(hidden shape {tuple(hidden.shape)}); labels are aligned with hidden, not shifted"
         )
     vocab = weight.shape[0]
-    flat = labels.reshape(-1).to(device=hidden.device, dtype=torch.int64)
+    flat = int64_labels(labels.reshape(-1).to(device=hidden.device))
     valid = flat != ignore_index
     bad = valid & ((flat < 0) | (flat >= vocab))
     if bool(bad.any()):

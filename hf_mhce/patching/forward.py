@@ -29,6 +29,7 @@ except ImportError:  # transformers < 5.23 (pyproject allows 5.x): the slice its
         return hidden[:, slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep, :]
 
 from ..losses import linear_cross_entropy, multi_head_cross_entropy, multi_head_logprobs
+from ..losses.checks import int64_labels
 from .callers import check_trainer_loss, custom_compute_loss_warning, trainer_needs_predictions
 from .config import LossConfig
 from .families import LOSS_KWARGS, LogitFacts, check_loss_function, decoder_of, logit_transform, named_inputs, stock_forward
@@ -259,6 +260,8 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
     if shift_labels is None:  # as in HF, labels are only read without shift_labels
         _check_label_shape("labels", labels, hidden)
     _check_label_shape("shift_labels", shift_labels, hidden)
+    # as int64 first: padding unsigned labels with a negative ignore_index fails in F.pad (HF's own loss too)
+    labels, shift_labels = (t if t is None else int64_labels(t) for t in (labels, shift_labels))
     if num_items_in_batch is not None and ignore_index != TRAINER_IGNORE_INDEX:  # the labels as given, not our padding
         _check_item_count_ignores(labels[..., 1:] if shift_labels is None else shift_labels, ignore_index)
     if shift_labels is None:  # tokens < n predict n; the last position predicts nothing

@@ -41,6 +41,18 @@ def test_label_out_of_range(loss_fn, bad):
 
 
 @pytest.mark.parametrize("loss_fn", LOSSES)
+@pytest.mark.parametrize("bad", [2**64 - 100, 2**63 + 5])
+def test_uint64_labels_past_int64_are_out_of_range(loss_fn, bad):
+    """uint64 labels are read as int64: 2**64 - 100 became -100 and was silently ignored."""
+    hidden, weight, _, labels = _ok_inputs()
+    values = labels.clamp_min(0).tolist()
+    with pytest.raises(ValueError, match=f"label {bad} is outside the vocabulary"):
+        loss_fn(hidden, weight, torch.tensor(values[:3] + [bad] + values[4:], dtype=torch.uint64), backend="torch")
+    torch.testing.assert_close(loss_fn(hidden, weight, torch.tensor(values, dtype=torch.uint64), backend="torch"),
+                               loss_fn(hidden, weight, torch.tensor(values), backend="torch"))  # in range: as int64
+
+
+@pytest.mark.parametrize("loss_fn", LOSSES)
 def test_label_equal_to_default_ignore_is_out_of_range_with_custom_ignore(loss_fn):
     hidden, weight, _, labels = _ok_inputs()
     labels[2] = -100

@@ -70,6 +70,25 @@ def test_num_items_in_batch_and_shift_labels(family):
     torch.testing.assert_close(d, e, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint64, torch.int32])
+def test_labels_of_any_integer_dtype(dtype):
+    """Unsigned labels: padding them with ignore_index -100 failed in F.pad (as in transformers' own loss);
+    they are read as int64 first, and a uint64 label that int64 would wrap (2**64 - 100 to -100) is refused."""
+    ref = make_model("llama")
+    model = apply_patch(twin(ref))
+    ids, labels = batch(pad_first=0)
+    want = ref(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(model(input_ids=ids, labels=labels.to(dtype)).loss, want, rtol=1e-5, atol=0)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=7)[..., 1:].contiguous()
+    torch.testing.assert_close(model(input_ids=ids, shift_labels=shift.to(dtype), labels=labels).loss,
+                               ref(input_ids=ids, shift_labels=shift, labels=labels).loss, rtol=1e-5, atol=0)
+    if dtype == torch.uint64:
+        values = labels.tolist()
+        values[0][4] = 2**64 - 100
+        with pytest.raises(ValueError, match="label 18446744073709551516 is outside the vocabulary"):
+            model(input_ids=ids, labels=torch.tensor(values, dtype=dtype))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_outputs_and_signature(family):
     ref = make_model(family).eval()
