@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import time
 import warnings
 
@@ -141,7 +142,9 @@ def build_datasets(data_args):
     held_out = None if eval_ds is None else column_texts(eval_ds, data_args.text_column, "--text_column")
     if held_out is None or (eval_ds.num_rows == train_ds.num_rows and held_out == train):
         train, held_out = hold_out(train, data_args.eval_fraction)
-    return train, {"eval": held_out}
+        return train, {"held_out": held_out}
+    # named after its split, so that the Trainer's metrics read eval_validation_loss (not eval_eval_loss)
+    return train, {re.sub(r"\W+", "_", data_args.eval_split).strip("_") or "eval": held_out}
 
 
 def hold_out(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:

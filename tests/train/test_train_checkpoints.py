@@ -48,7 +48,7 @@ def test_gpt2_eval_loss_is_its_cross_entropy_and_lora_finds_its_modules(gpt2, tm
     monkeypatch.chdir(os.path.dirname(os.path.abspath(ckpt)))
     for out, model, extra in (("full", ckpt, []), ("lora", os.path.basename(ckpt), ["--lora_r", "4"])):
         final = _run(tmp_path / out, "--model", model, "--dataset", text, "--loss", "ce", *extra)["final_eval"]
-        assert math.isclose(final["eval_eval_loss"], final["eval_eval_rbe_cross_entropy"], rel_tol=1e-5), out
+        assert math.isclose(final["eval_held_out_loss"], final["eval_held_out_rbe_cross_entropy"], rel_tol=1e-5), out
     adapter = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert adapter["target_modules"] == ["c_attn"]
     assert adapter["base_model_name_or_path"] == os.path.abspath(ckpt)

@@ -28,13 +28,29 @@ def _cli(tmp_path, *argv) -> int:
     return cli([*REDUCED, "--no_rbe_plots", "--output_dir", str(tmp_path / "out"), *map(str, argv)])
 
 
+def test_eval_sets_are_named_after_their_split(tmp_path):
+    """The Trainer prefixes a named eval set's metrics with eval_<name>_: the held-out set was named "eval"
+    (eval_eval_loss); it is named after the split it was read from, or held_out."""
+    import datasets
+
+    data = datasets.DatasetDict({split: datasets.Dataset.from_dict({"text": _lines(i)})
+                                 for i, split in enumerate(["train", "validation", "test"])})
+    data.save_to_disk(tmp_path / "saved")
+    for split, name in ((None, "validation"), ("test", "test"), ("train", "held_out")):
+        args = DataArguments(dataset=str(tmp_path / "saved"), **({"eval_split": split} if split else {}))
+        train, evals = job.build_datasets(args)
+        assert list(evals) == [name], split
+        if name != "held_out":
+            assert train == _lines(0) and evals[name] == _lines(["train", "validation", "test"].index(name))
+
+
 def test_a_text_file_is_trained_as_one_document(tmp_path):
     """Each line of a .txt was a row, and token_stream put an EOS after each: the model learnt EOS where
     the text has line breaks, and never a line break."""
     text = "\n".join(_lines(1)) + "\n"
     (tmp_path / "c.txt").write_text(text)
     train, evals = job.build_datasets(DataArguments(dataset=str(tmp_path / "c.txt"), eval_fraction=0.2))
-    held = evals["eval"]
+    held = evals["held_out"]
     assert len(train) == len(held) == 1 and train[0] + held[0] == text  # cut between two lines
     assert train[0].endswith("\n") and 0.1 < len(held[0]) / len(text) < 0.3
     tok = corpus.train_tokenizer(train, 300)
@@ -121,7 +137,7 @@ def test_columns_without_text_are_usage_errors_and_blank_rows_are_skipped(tmp_pa
     rows = [t if i % 3 else " \n " for i, t in enumerate(lines)]
     (tmp_path / "some_blank.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
     train, evals = job.build_datasets(DataArguments(dataset=str(tmp_path / "some_blank.jsonl")))
-    assert train + evals["eval"] == [t for i, t in enumerate(lines) if i % 3]
+    assert train + evals["held_out"] == [t for i, t in enumerate(lines) if i % 3]
 
 
 def test_an_error_during_training_keeps_its_traceback(tmp_path, monkeypatch):

@@ -105,7 +105,7 @@ def test_text_file_dataset_ce_with_lora(tmp_path, monkeypatch):
     # the sample is the last step: a failure there keeps the trained model and its metrics
     assert summary["sample"] is None and "no cache" in summary["sample_error"]
     assert json.loads((out_dir / "metrics.json").read_text())["sample_error"] == summary["sample_error"]
-    assert "eval_eval_rbe_error_entropy" in summary["final_eval"]
+    assert "eval_held_out_rbe_error_entropy" in summary["final_eval"]
     assert summary["loss"] == "ce"
     saved = json.loads((out_dir / "hf_mhce.json").read_text())  # beside the adapter
     assert saved["label_smoothing"] == 0.05  # the Trainer's smoothing went to the fused loss

@@ -98,7 +98,7 @@ def test_a_tokenizer_without_eos_trains(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join("line the quick brown fox jumps over the lazy dog" for _ in range(300)))
     summary = _run(tmp_path / "o", "--model", str(ckpt), "--dataset", str(text))
-    assert summary["final_eval"]["eval_eval_rbe_num_tokens"] > 0 and summary["sample"] is not None
+    assert summary["final_eval"]["eval_held_out_rbe_num_tokens"] > 0 and summary["sample"] is not None
     from hf_mhce.rbe.data import token_stream
     from hf_mhce.train.corpus import token_blocks
 
