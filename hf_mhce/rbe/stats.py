@@ -106,7 +106,10 @@ class RBEDecomposition:
 
 
 def decompose(counts: torch.Tensor, nll_sums: torch.Tensor) -> RBEDecomposition:
-    """The RBE decomposition from per-rank counts and NLL sums (sums over observed ranks only)."""
+    """The RBE decomposition from per-rank counts and NLL sums (sums over observed ranks only).
+
+    Infinite NLLs (targets masked by a -inf bias) give an infinite cross-entropy.  Where every observed rank's
+    mean NLL is infinite, Confidence is -inf and Self-Alignment is NaN: q = Q / sum(Q) is 0/0 there."""
     counts = torch.as_tensor(counts).reshape(-1).to(torch.float64).cpu()
     nll_sums = torch.as_tensor(nll_sums).reshape(-1).to(torch.float64).cpu()
     if counts.shape != nll_sums.shape:

@@ -103,3 +103,14 @@ def test_one_observed_rank_has_no_negative_zero():
     d = RBEStats(7).add(torch.zeros(3, dtype=torch.long), torch.tensor([0.1, 0.2, 0.3])).decompose()
     assert math.copysign(1.0, d.error_entropy) == 1.0 and math.copysign(1.0, d.self_alignment) == 1.0
     assert check_identity(d) and d.top1 == 1.0
+
+
+def test_infinite_nll_has_its_documented_result():
+    """A target masked by a -inf bias has an infinite NLL: CE is inf; if every observed rank's NLL is infinite,
+    Confidence is -inf and Self-Alignment NaN (q = 0/0), as decompose's docstring says."""
+    inf = float("inf")
+    some = decompose(torch.tensor([2, 1, 0]), torch.tensor([inf, 1.0, 0.0], dtype=torch.float64))
+    assert some.cross_entropy == inf and some.self_alignment == inf and math.isfinite(some.confidence)
+    every = decompose(torch.tensor([2, 1, 0]), torch.tensor([inf, inf, 0.0], dtype=torch.float64))
+    assert every.cross_entropy == inf and every.confidence == -inf and math.isnan(every.self_alignment)
+    assert every.error_entropy == pytest.approx(-(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)), rel=1e-12)
