@@ -97,6 +97,6 @@ def resolve(backend: str | None, device: torch.device, dtype: torch.dtype) -> Si
 
 
 def _triton_capable(device: torch.device) -> bool:
-    """Volta or newer: the kernels' atomics (the bias gradient's) need sm_70 (ptxas refuses them on a P100),
-    as do Triton's and inductor's own support."""
+    """Volta or newer, as Triton's and inductor's own support: the bias gradient's float32 atomics (since
+    replaced by column sums) did not compile for a P100, and no older GPU has run the kernels since."""
     return torch.cuda.get_device_capability(device) >= (7, 0)

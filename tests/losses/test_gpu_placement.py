@@ -23,8 +23,8 @@ def test_kernels_run_with_the_inputs_gpu_current(monkeypatch):
 
 
 def test_gpus_older_than_volta_take_the_torch_path(monkeypatch):
-    """The bias gradient's atomic does not compile for sm_60 (a P100): the first backward failed with
-    Triton's "Internal Triton PTX codegen error"."""
+    """The bias gradient's atomic (since replaced) did not compile for sm_60 (a P100): the first backward failed
+    with Triton's "Internal Triton PTX codegen error"; no older GPU has run the kernels since."""
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     monkeypatch.setattr(dispatch, "_triton_ops", lambda: "triton ops")
     gpu = torch.device("cuda", 0)
