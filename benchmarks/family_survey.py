@@ -76,6 +76,7 @@ OVERRIDES: dict[str, dict] = {
     "lfm2_moe": dict(num_dense_layers=1, layer_types=["conv", "full_attention"]),
     "mamba2": dict(num_heads=8, n_groups=2), "bamba": dict(MAMBA, attn_layer_indices=[1]),
     "granitemoehybrid": dict(MAMBA, **HYBRID),
+    "falcon_h1": dict(MAMBA, mamba_d_ssm=64),  # at its defaults transformers 5.17's torch scan needs over 17 GB
     "zamba": dict(layers_block_type=["hybrid", "hybrid"], mamba_dt_rank=4),  # its shared block ties two hybrid layers
     "zamba2": dict(layers_block_type=["linear_attention", "hybrid"], mamba_headdim=8, n_mamba_heads=8, mamba_d_state=8),
     "zaya": dict(num_experts_per_tok=1), "flint": dict(mlp_only_layers=[0]),

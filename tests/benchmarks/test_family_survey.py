@@ -35,9 +35,13 @@ def test_unknown_type_is_named():
 
 
 def test_overrides_reach_sub_configs_and_unset_removes_a_size():
-    from transformers import CONFIG_MAPPING
+    from packaging.version import Version
+    from transformers import CONFIG_MAPPING, __version__
 
-    assert set(family_survey.OVERRIDES) | set(family_survey.WHY_NOT) <= set(CONFIG_MAPPING)  # no misspelt type
+    # no misspelt type: every one is known to transformers 5.24, which the table was written against (an older
+    # release, such as the floor 5.17, lacks the newer families: bailing_hybrid, dots3_note, flint, lfm3)
+    unknown = (set(family_survey.OVERRIDES) | set(family_survey.WHY_NOT)) - set(CONFIG_MAPPING)
+    assert not unknown or Version(__version__) < Version("5.24"), unknown
     composite = family_survey.config_for("qwen3_5")  # its text_config gets SIZES and qwen3_5_text's overrides
     assert composite.text_config.hidden_size == 32
     assert composite.text_config.layer_types == ["linear_attention", "full_attention"]

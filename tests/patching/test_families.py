@@ -61,6 +61,14 @@ def check_equal(ref, model):
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-6, atol=1e-6)
 
 
+def records_router_logits(model):
+    """Whether the decoder returns router logits when asked (transformers 5.17's GLM-4.5 MoE and Granite MoE
+    families record none: the former returns no MoE output, the latter's load-balancing loss gets None)."""
+    with torch.no_grad():
+        out = model.get_decoder()(input_ids=batch()[0], output_router_logits=True)
+    return getattr(out, "router_logits", None) is not None
+
+
 VISION_LANGUAGE = {"paligemma"}  # tested with images in test_multimodal.py
 
 
@@ -73,13 +81,17 @@ def test_listed_family_matches_unpatched(model_type):
     facts = FAMILIES[model_type]
     extra = {attr: FACT_VALUES[attr] for attr in (facts.multiply_attr, facts.divide_attr, facts.softcap_attr) if attr}
     ref = tiny(model_type, **extra)
-    assert ("aux_loss" in output_type(type(ref)).__dataclass_fields__) == (model_type in MOE_FAMILIES)
+    routed = model_type not in MOE_FAMILIES or records_router_logits(ref)
+    if routed:
+        assert ("aux_loss" in output_type(type(ref)).__dataclass_fields__) == (model_type in MOE_FAMILIES)
+    else:  # the forward cannot add the router loss (Granite MoE's crashes on the None it gets): compared without it
+        ref.config.output_router_logits = False
     model = apply_patch(twin(ref))
     check_equal(ref, model)
     # each fact is what makes the fused loss right: without it the loss would differ
     state = model.__dict__["_hf_mhce_patch"]
     for fact, plain_value in (("facts", LogitFacts()), ("router", None)):
-        if getattr(state, fact) == plain_value or (fact == "router" and state.router.module is None):
+        if getattr(state, fact) == plain_value or (fact == "router" and (state.router.module is None or not routed)):
             continue  # nothing to leave out (an MoE family whose forward adds no router loss)
         plain = apply_patch(twin(ref))
         setattr(plain.__dict__["_hf_mhce_patch"], fact, plain_value)
@@ -88,6 +100,8 @@ def test_listed_family_matches_unpatched(model_type):
         ours = plain(input_ids=ids, labels=labels).loss
         torch.manual_seed(3)
         assert not torch.allclose(ours, ref(input_ids=ids, labels=labels).loss), fact
+    if not routed:
+        pytest.skip(f"transformers {__version__}'s {model_type} records no router logits: compared without the router loss")
 
 
 @pytest.mark.parametrize("model_type", ["cohere", "cohere2", "cohere2_moe", "falcon_h1"])

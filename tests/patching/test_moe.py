@@ -4,9 +4,10 @@ import pytest
 import torch
 from patching_models import assert_grads_close, batch, grads, token_dataset, twin
 from transformers import (AutoConfig, AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Trainer,
-                          TrainingArguments)
+                          TrainingArguments, __version__)
 
 from hf_mhce.patching import UnsupportedModelError, apply_patch, from_pretrained
+from hf_mhce.patching.families import output_type
 
 VOCAB = 97
 
@@ -125,6 +126,8 @@ def test_moe_family_without_router_loss_returns_router_logits():
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                num_experts=4, moe_topk=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     ref = AutoModelForCausalLM.from_config(cfg)
+    if "router_logits" not in output_type(type(ref)).__dataclass_fields__:
+        pytest.skip(f"transformers {__version__}'s Hunyuan MoE returns no router logits (a plain CausalLMOutputWithPast)")
     model = apply_patch(twin(ref))
     assert model.__dict__["_hf_mhce_patch"].router.module is None
     ids, mask, labels = padded_batch()

@@ -4,6 +4,7 @@ generate(); a model whose forward would lose an input is refused by name.  Tiny 
 laid out as each processor lays them out, image tokens labelled -100."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -85,10 +86,14 @@ def mllama(seed=0):
 
 def fuyu(seed=0):
     """4 image-patch placeholders, then text; pixel_values are the flattened 4x4 patches."""
+    # transformers 5.17's Fuyu projects the patches to a hidden_size of its own config (not the text config's)
+    own = {"hidden_size": TEXT["hidden_size"]} if "hidden_size" in T.FuyuConfig.__dataclass_fields__ else {}
     config = T.FuyuConfig(text_config=dict(TEXT, model_type="persimmon"), image_size=8, patch_size=4, num_channels=3,
-                          image_token_id=IMAGE)
+                          image_token_id=IMAGE, **own)
     ids = torch.cat([torch.full((2, 4), IMAGE), _text(2, 6, seed)], 1)
-    images = dict(pixel_values=torch.randn(2, 4, 48, generator=torch.Generator().manual_seed(seed)))
+    # and takes them as image_patches (a pixel_values it does not know is ignored: no image)
+    key = "pixel_values" if "pixel_values" in inspect.signature(T.FuyuForCausalLM.forward).parameters else "image_patches"
+    images = {key: torch.randn(2, 4, 48, generator=torch.Generator().manual_seed(seed))}
     return T.FuyuForCausalLM(config), ids, images
 
 

@@ -1,5 +1,6 @@
 """Trainer: patched runs follow the unpatched ones; MHCE trains and evaluates; gradient accumulation."""
 
+import inspect
 import math
 
 import pytest
@@ -230,6 +231,10 @@ def test_eval_loss_with_a_batch_without_targets(tmp_path):
         args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to="none",
                                  use_cpu=True, disable_tqdm=True)
         results.append(Trainer(model=model, args=args, eval_dataset=rows).evaluate()["eval_loss"])
+    if "logging_nan_inf_filter" not in inspect.getsource(Trainer.evaluation_loop):
+        # transformers 5.17 averages every batch's loss: HF's NaN makes eval_loss NaN (a 0 would not)
+        assert math.isnan(results[0]) and math.isnan(results[1])
+        return
     assert math.isfinite(results[0]) and results[1] == pytest.approx(results[0], rel=1e-5)
 
 
