@@ -178,7 +178,7 @@ def test_finetune_quick_pretrains_then_finetunes(example_runs):
     assert res["config"]["pretrained_here"] and res["config"]["loss"]["loss"] == "mhce"
     assert (out / "pretrained" / "config.json").is_file() and (out / "data" / "stdlib_code.jsonl").is_file()
     assert [(r["eval_set"], r["when"]) for r in res["rows"]] == [
-        ("eval", "before"), ("eval", "after"), ("docs", "before"), ("docs", "after")]
+        ("code", "before"), ("code", "after"), ("docs", "before"), ("docs", "after")]
     for r in res["rows"]:
         assert_identity(r)
         assert r["loss"] == pytest.approx(r["cross_entropy"], rel=1e-5)
@@ -219,7 +219,7 @@ def test_finetune_lora_ce_on_text_file(tmp_path, single_thread):
         finetune.main([a for a in argv if a != "--override_saved"] + ["--output_dir", str(tmp_path / "x")])
     assert not res["config"]["pretrained_here"] and res["config"]["loss"]["loss"] == "ce"
     assert 0 < res["config"]["trainable_parameters"] < res["config"]["parameters"]
-    assert [r["eval_set"] for r in res["rows"]] == ["eval", "eval"]
+    assert [r["eval_set"] for r in res["rows"]] == ["held_out", "held_out"]  # a share of the text file
     for r in res["rows"]:
         assert_identity(r)
     model_dir = out / "model"
