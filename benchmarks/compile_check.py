@@ -97,6 +97,8 @@ def compile_launch(kernel, args, kwargs, arch: str) -> dict:
             "registers": registers, "spill_bytes": spills, **sass_counts(sass),
             "num_warps": compiled.metadata.num_warps, "blocks_per_sm": blocks, "limited_by": limited_by,
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+            # atomic instructions (atom.*, red.*): none, so that a step's results do not depend on the tiles' order
+            "atomics": len(re.findall(r"^\s*(?:@%p\d+\s+)?(?:atom|red)\.", ptx, re.M)),
             "divisible_args": sum(["tt.divisibility", 16] in a for a in attrs.values()),
             "pointer_args": sum(t.startswith("*") for t in sig.values())}
 

@@ -17,10 +17,11 @@ temporaries together:
 - otherwise a dW pass by vocabulary range and a dX pass by token range (one more recompute, 10NDV,
   in exchange for memory), each skipped when its gradient is not needed;
 - float32 inputs: one pass, the outputs are the accumulators.
-dB is the slabs' column sums in float32 (as eager's dB, of the rounded dY; the grad-in-forward path
-sums the same way), so that every gradient is bitwise reproducible: float32 atomics in the kernel made
-dB's rounding depend on the order the tiles ran in.  The low-rank gradients (LoRA on the head) dU = dY B
-and dB_low = dY^T U are matmuls on the slabs of the first pass, in float32 buffers.
+dB: each tile writes its float32 column sums of dY (before rounding) into a [H x token blocks, columns]
+buffer, reduced by torch in a fixed order, so that dB is bitwise reproducible and as precise as before:
+float32 atomics made its rounding depend on the order the tiles ran in, and the column sums of the
+rounded slab were about 2x less accurate in bf16 (at eager's level).  The low-rank gradients (LoRA on
+the head) dU = dY B and dB_low = dY^T U are matmuls on the slabs of the first pass, in float32 buffers.
 Outside the bound: a copy of X (and U) with the ignored rows zeroed, made only when one of those rows
 is not finite (a fully masked attention row), so that 0 * NaN does not reach dW.
 """
@@ -38,10 +39,11 @@ from .triton_tile import dot_settings, launch_config, logits_tile, low_rank_args
 
 @triton.jit
 def _dlogits_kernel(
-    X, W, B, U, LB, Labels, Top, LogSum, Alpha, TargetGrad, Gamma, DY,
+    X, W, B, U, LB, Labels, Top, LogSum, Alpha, TargetGrad, Gamma, DY, DB,
     n_start, n_end, v_start, v_end, Dh, R, stride_x, stride_w, stride_u, stride_lb, stride_dy_head, stride_dy,
     softcap,
     NUM_HEADS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LOW_RANK: tl.constexpr,
+    NEED_DB: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     DOT_IN_ORDER: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -86,6 +88,9 @@ def _dlogits_kernel(
         # Ignored rows (padding) contribute nothing, even with NaN logits (their hidden rows are zeroed
         # for dW by the host when they are not finite: 0 * NaN would be NaN).
         dy = tl.where(row_valid[:, None] & col_mask[None, :], dy, 0.0)
+    if NEED_DB:  # this tile's float32 column sums, in its own row of the partials (zeros for a padding tile)
+        part = DB + (head * n_blocks + pid_n) * (v_end - v_start) + (cols - v_start)
+        tl.store(part, tl.sum(dy, axis=0), mask=col_mask)
     out = DY + head * stride_dy_head + (rows - n_start)[:, None] * stride_dy + (cols - v_start)[None, :]
     tl.store(out, dy.to(DY.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -182,7 +187,7 @@ def _reduction_pass(slabs, out, rows_axis, budget, side, dx_acc=None):
         for s0 in range(0, total_sum, span):
             s1 = min(total_sum, s0 + span)
             n_range, v_range = ((s0, s1), (r0, r1)) if vocab_rows else ((r0, r1), (s0, s1))
-            slab = slabs.compute(n_range, v_range)
+            slab = slabs.compute(n_range, v_range, with_db=side)
             if target is not None:
                 slabs.product(rows_axis, slab, n_range, v_range, target, accumulate, temp)
             if dx_acc is not None:
@@ -225,7 +230,7 @@ class _Slabs:
         """Bytes of ``room`` that slabs may take; the rest is for the matmuls' temporaries."""
         return room // 2 if self.temporaries else room
 
-    def compute(self, n_range, v_range):
+    def compute(self, n_range, v_range, with_db):
         """The slab [H, tokens, columns] of tokens ``n_range`` x vocabulary ``v_range``, rows aligned
         (valid until the next call)."""
         (n0, n1), (v0, v1) = n_range, v_range
@@ -236,14 +241,20 @@ class _Slabs:
             self.buffer = torch.empty(size, dtype=self.x.dtype, device=self.x.device)
         slab = self.buffer[:size].view(self.h, m, stride)[:, :, :c]
         cfg = self.cfg
-        grid = (triton.cdiv(m, cfg["BLOCK_N"]) * triton.cdiv(c, cfg["BLOCK_V"]), self.h)
+        n_blocks = triton.cdiv(m, cfg["BLOCK_N"])
+        need_db = with_db and self.db is not None
+        # dB partials [H x token blocks, columns], float32: 2 / BLOCK_N of a 16-bit slab's bytes
+        parts = torch.empty(self.h * n_blocks, c, dtype=torch.float32, device=self.x.device) if need_db else slab
+        grid = (n_blocks * triton.cdiv(c, cfg["BLOCK_V"]), self.h)
         _dlogits_kernel[grid](
-            *self.args, slab, n0, n1, v0, v1, self.dh, self.rank, self.x.stride(0), self.w.stride(0),
+            *self.args, slab, parts, n0, n1, v0, v1, self.dh, self.rank, self.x.stride(0), self.w.stride(0),
             self.stride_u, self.stride_lb, m * stride, stride, float(self.softcap) if self.softcap is not None else 1.0,
             NUM_HEADS=self.h, HAS_BIAS=self.bias is not None, HAS_SOFTCAP=self.softcap is not None,
-            HAS_LOW_RANK=self.low_rank is not None,
+            HAS_LOW_RANK=self.low_rank is not None, NEED_DB=need_db,
             **cfg, **dot_settings(self.x.dtype),
         )
+        if need_db:
+            self.db[v0:v1] += parts.sum(0)
         return slab
 
     def product(self, rows_axis, slab, n_range, v_range, out, accumulate, temp_bytes):
@@ -257,11 +268,8 @@ class _Slabs:
                 _matmul_into(out[:, cols], slab[h], self.w[v0:v1, cols], accumulate, temp_bytes)
 
     def side_products(self, slab, n_range, v_range, temp_bytes):
-        """dB [V] += column sums of dY, dU [N, H, R] += dY_h B and dB_low [V, R] += sum_h dY_h^T U_h (float32
-        buffers)."""
+        """dU [N, H, R] += dY_h B and dB_low [V, R] += sum_h dY_h^T U_h (float32 buffers)."""
         (n0, n1), (v0, v1) = n_range, v_range
-        if self.db is not None:
-            self.db[v0:v1] += slab.sum((0, 1), dtype=torch.float32)
         for h in range(self.h):
             if self.du is not None:
                 _matmul_into(self.du[n0:n1, h], slab[h], self.low_rank[1][v0:v1], True, temp_bytes)

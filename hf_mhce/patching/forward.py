@@ -257,11 +257,13 @@ def _loss(model, state, hidden, labels, shift_labels=None, num_items_in_batch=No
     """HF's ForCausalLMLoss semantics, computed by the fused op (no [N, V] logits)."""
     cfg = state.config
     ignore_index = cfg.ignore_index if ignore_index is None else ignore_index
-    if shift_labels is None:  # as in HF, labels are only read without shift_labels
+    # as in HF, labels are only read without shift_labels; as int64 (F.pad cannot pad unsigned ones with -100)
+    if shift_labels is None:
         _check_label_shape("labels", labels, hidden)
-    _check_label_shape("shift_labels", shift_labels, hidden)
-    # as int64 first: padding unsigned labels with a negative ignore_index fails in F.pad (HF's own loss too)
-    labels, shift_labels = (t if t is None else int64_labels(t) for t in (labels, shift_labels))
+        labels = int64_labels(labels)
+    else:
+        _check_label_shape("shift_labels", shift_labels, hidden)
+        shift_labels = int64_labels(shift_labels)
     if num_items_in_batch is not None and ignore_index != TRAINER_IGNORE_INDEX:  # the labels as given, not our padding
         _check_item_count_ignores(labels[..., 1:] if shift_labels is None else shift_labels, ignore_index)
     if shift_labels is None:  # tokens < n predict n; the last position predicts nothing

@@ -143,8 +143,14 @@ def build_datasets(data_args):
     if held_out is None or (eval_ds.num_rows == train_ds.num_rows and held_out == train):
         train, held_out = hold_out(train, data_args.eval_fraction)
         return train, {"held_out": held_out}
-    # named after its split, so that the Trainer's metrics read eval_validation_loss (not eval_eval_loss)
-    return train, {re.sub(r"\W+", "_", data_args.eval_split).strip("_") or "eval": held_out}
+    return train, {eval_set_name(data_args.eval_split): held_out}
+
+
+def eval_set_name(split: str) -> str:
+    """The eval set's name, which the Trainer puts in its metrics (eval_<name>_loss): the split's, in word
+    characters ("validation[:10%]" -> validation_10), prefixed with "eval" where it does not start with a letter."""
+    name = re.sub(r"\W+", "_", split).strip("_")
+    return name if name[:1].isalpha() else "_".join(filter(None, ("eval", name)))
 
 
 def hold_out(texts: list[str], fraction: float) -> tuple[list[str], list[str]]:

@@ -27,6 +27,7 @@ def test_every_kernel_variant_compiles_for_hopper_and_ampere(tmp_path):
     assert {r["arch"] for r in rows} == {"sm_90a", "sm_80"}
     for r in rows:
         assert "error" not in r and r["shared_fits"], r
+        assert r["atomics"] == 0, r  # a bitwise repeatable step: no kernel adds with atomics (dB included)
         assert 0 < r["registers"] <= 255, r
         if r["kernel"] in tiles and not r["variant"].endswith("fp32"):  # 16-bit inputs run on tensor cores: wgmma on Hopper
             assert (r["wgmma"] > 0) if r["arch"] == "sm_90a" else (r["mma_sync"] > 0), r

@@ -87,6 +87,9 @@ def test_labels_of_any_integer_dtype(dtype):
         values[0][4] = 2**64 - 100
         with pytest.raises(ValueError, match="label 18446744073709551516 is outside the vocabulary"):
             model(input_ids=ids, labels=torch.tensor(values, dtype=dtype))
+        # labels beside shift_labels are not read (as in transformers): not refused either
+        torch.testing.assert_close(model(input_ids=ids, labels=torch.tensor(values, dtype=dtype), shift_labels=shift).loss,
+                                   ref(input_ids=ids, labels=labels, shift_labels=shift).loss, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

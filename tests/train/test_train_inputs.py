@@ -44,6 +44,12 @@ def test_eval_sets_are_named_after_their_split(tmp_path):
             assert train == _lines(0) and evals[name] == _lines(["train", "validation", "test"].index(name))
 
 
+@pytest.mark.parametrize("split, name", [("validation", "validation"), ("validation[:10%]", "validation_10"),
+                                         ("test+validation", "test_validation"), ("[:5%]", "eval_5"), ("%", "eval")])
+def test_eval_set_name_of_a_split(split, name):
+    assert job.eval_set_name(split) == name
+
+
 def test_a_text_file_is_trained_as_one_document(tmp_path):
     """Each line of a .txt was a row, and token_stream put an EOS after each: the model learnt EOS where
     the text has line breaks, and never a line break."""
