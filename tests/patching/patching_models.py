@@ -52,6 +52,21 @@ def twin(model):
     return copy.deepcopy(model)
 
 
+def with_lora(model, config, *, seed=1, std=0.1, **peft_kw):
+    """``get_peft_model(model, config)`` (seeded unless ``seed`` is None) with every lora_B weight (and bias)
+    drawn from N(0, std): PEFT starts B at zero, where the adapter's terms and the A gradients vanish."""
+    from peft import get_peft_model
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    peft_model = get_peft_model(model, config, **peft_kw)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, std)
+    return peft_model
+
+
 def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -122,17 +122,13 @@ def test_a_scale_is_read_where_the_forward_reads_it(model_type):
 def test_lora_with_bias_on_a_scaled_head(model_type):
     """A scaled family scales every term of its head: the base weight's, the LoRA adapter's low-rank term and the
     adapter's bias (PEFT lora_bias=True).  Loss, every gradient and the logits equal the unpatched model's."""
-    from peft import LoraConfig, get_peft_model
+    from patching_models import with_lora
+    from peft import LoraConfig
 
     facts = FAMILIES[model_type]
     attr = facts.multiply_attr or facts.divide_attr
-    torch.manual_seed(1)
-    ref = get_peft_model(tiny(model_type, **{attr: FACT_VALUES[attr]}),
-                         LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], lora_bias=True))
-    with torch.no_grad():  # PEFT starts B (and its bias) at zero: make the adapter's terms matter
-        for name, p in ref.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
+    ref = with_lora(tiny(model_type, **{attr: FACT_VALUES[attr]}),
+                    LoraConfig(r=4, lora_alpha=8, target_modules=["lm_head"], lora_bias=True))
     check_equal(ref, apply_patch(twin(ref)))
 
 
@@ -143,9 +139,9 @@ def test_mhce_logits_of_a_scaled_family(model_type):
     from patching_models import mixture_logprobs_reference
 
     facts = FAMILIES[model_type]
-    value = FACT_VALUES[facts.multiply_attr or facts.divide_attr]
-    model = apply_patch(tiny(model_type, **{facts.multiply_attr or facts.divide_attr: value}), loss="mhce",
-                        num_heads=2).eval()
+    attr = facts.multiply_attr or facts.divide_attr
+    value = FACT_VALUES[attr]
+    model = apply_patch(tiny(model_type, **{attr: value}), loss="mhce", num_heads=2).eval()
     ids, labels = batch()
     with torch.no_grad():
         loss = model(input_ids=ids, labels=labels).loss

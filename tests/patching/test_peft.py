@@ -4,7 +4,8 @@ import contextlib
 
 import pytest
 import torch
-from patching_models import assert_grads_close, batch, grads, make_model, mixture_logprobs_reference, saved_base
+from patching_models import (assert_grads_close, batch, grads, make_model, mixture_logprobs_reference, saved_base,
+                            with_lora)
 from peft import LoraConfig, get_peft_model
 
 from hf_mhce.patching import UnsupportedModelError, apply_patch, is_patched, unpatch
@@ -13,14 +14,8 @@ LLAMA_TARGETS = ["q_proj", "v_proj", "gate_proj"]
 
 
 def _lora(model, targets, **kw):
-    torch.manual_seed(1)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=kw.pop("lora_dropout", 0.0), **kw)
-    peft_model = get_peft_model(model, cfg)
-    with torch.no_grad():  # non-zero B, so that every LoRA factor gets a non-trivial gradient
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.1)
-    return peft_model
+    return with_lora(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                       lora_dropout=kw.pop("lora_dropout", 0.0), **kw))
 
 
 def _step(model, ids, labels, seed=0):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from patching_models import batch, saved_base
-from peft import LoraConfig, get_peft_model
+from patching_models import batch, saved_base, with_lora
+from peft import LoraConfig
 
 import hf_mhce
 from hf_mhce.patching import apply_patch, is_patched, unpatch
@@ -15,13 +15,7 @@ from hf_mhce.patching.config import ADAPTER_CONFIG_FILE, WEIGHTS_DIGEST_KEY
 
 
 def _adapter(tmp_path, **peft_kw):
-    torch.manual_seed(1)
-    model = get_peft_model(saved_base(tmp_path), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), **peft_kw)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
-    return model
+    return with_lora(saved_base(tmp_path), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]), **peft_kw)
 
 
 def test_a_record_left_from_an_earlier_save_is_not_applied(tmp_path):

@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 import torch
-from patching_models import FAMILIES, batch, make_model
-from peft import LoraConfig, get_peft_model
+from patching_models import FAMILIES, batch, make_model, with_lora
+from peft import LoraConfig
 
 from hf_mhce.patching import add_card_section, apply_patch, is_patched, unpatch
 
@@ -85,11 +85,7 @@ def test_card_sections_are_not_pickled_but_the_card_is_still_written(tmp_path):
 
 def test_a_peft_model_with_lora_on_the_head_roundtrips(tmp_path):
     base = make_model("llama")
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
+    peft_model = with_lora(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"]), seed=None)
     apply_patch(peft_model, loss="mhce", num_heads=4)
     ids, labels = batch()
     want_loss, want_logits = _outputs(peft_model, ids, labels)
